@@ -1,0 +1,56 @@
+# Two entry points do everything on a fresh clone (README):
+#   make demo   - set up .venv, build the ops, run examples/generate.py
+#   make test   - set up .venv, build the ops, run the test suite
+# Others: make build, make bench, make cuda-check, make gpu-test, make clean.
+
+PYTHON ?= python3
+VENV ?= .venv
+# A GPU paddle works too, e.g. PADDLE_PACKAGE=paddlepaddle-gpu==2.6.2.
+PADDLE_PACKAGE ?= paddlepaddle==3.3.1
+PIP_PACKAGES = "$(PADDLE_PACKAGE)" numpy pytest "setuptools<70" hypothesis tqdm matplotlib
+PY = $(VENV)/bin/python
+OP_SOURCES = setup_ops.py $(shell find ops python -type f \( -name '*.cc' -o -name '*.cu' -o -name '*.h' -o -name '*.py' \) 2>/dev/null)
+CUDA_HOME ?= /usr/local/cuda
+
+.PHONY: demo test build bench cuda-check gpu-test clean
+
+$(VENV)/.installed:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(PIP_PACKAGES)
+	touch $@
+
+$(VENV)/.built: $(VENV)/.installed $(OP_SOURCES)
+	rm -rf build python/*.egg-info
+	cd $(CURDIR) && CUDA_HOME=$(CUDA_HOME) $(PY) setup_ops.py install > $(VENV)/build.log 2>&1 \
+		|| { tail -n 60 $(VENV)/build.log; exit 1; }
+	$(PY) -c "import paddle_step, paddle_step_ops as m; assert {'advance_step', 'step_paddle', 'static_op_advance_step', 'static_op_step_paddle'} <= set(dir(m))"
+	touch $@
+
+build: $(VENV)/.built
+
+demo: build
+	$(PY) examples/generate.py
+
+test: build
+	$(PY) -m pytest tests -q -p no:cacheprovider
+
+bench: build
+	$(PY) benchmarks/bench_ops.py
+	$(PY) benchmarks/bench_decode.py
+
+# The CUDA variant: paddlepaddle-gpu 2.6.2 (a CUDA 11.8 build that runs on CPU
+# without a GPU) and this machine's nvcc; builds, imports, and runs the op
+# tests on CPU against it.
+cuda-check:
+	@test -x $(CUDA_HOME)/bin/nvcc || { echo "cuda-check: no nvcc under $(CUDA_HOME), skipped"; exit 0; }
+	$(MAKE) VENV=.venv-cuda PADDLE_PACKAGE=paddlepaddle-gpu==2.6.2 build
+	.venv-cuda/bin/python -c "import paddle; assert paddle.is_compiled_with_cuda()"
+	grep -q "building CPU and CUDA kernels" .venv-cuda/build.log
+	.venv-cuda/bin/python -m pytest tests -q -p no:cacheprovider -m "not needs_paddle3"
+
+gpu-test:
+	$(MAKE) -C tests/gpu test
+
+clean:
+	rm -rf build python/*.egg-info $(VENV) .venv-cuda

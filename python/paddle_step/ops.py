@@ -1,0 +1,84 @@
+"""The two ops, as Python functions.
+
+In dynamic mode they call the pybind11 binding of the C++ entry point (about
+1 us of dispatch); in static mode (inside ``paddle.jit.to_static``) they add
+the registered ``static_op_*`` op to the program. Both run the same
+validation and kernels.
+"""
+
+from __future__ import annotations
+
+import paddle
+
+import paddle_step_ops as _library
+
+STEP_PADDLE_INPUTS = (
+    "stop_flags", "seq_lens_this_time", "ori_seq_lens_encoder",
+    "seq_lens_encoder", "seq_lens_decoder", "block_tables",
+    "encoder_block_lens", "is_block_step", "step_block_list", "step_lens",
+    "recover_block_list", "recover_lens", "need_block_list", "need_block_len",
+    "used_list_len", "free_list", "free_list_len", "input_ids", "pre_ids",
+    "step_idx", "next_tokens", "first_token_ids",
+)
+# The inputs step_paddle writes, in the order of its outputs.
+STEP_PADDLE_OUTPUTS = tuple(
+    name for name in STEP_PADDLE_INPUTS
+    if name not in ("ori_seq_lens_encoder", "pre_ids", "step_idx", "next_tokens")
+)
+ADVANCE_STEP_OUTPUTS = ("input_tokens", "input_positions", "seq_lens", "slot_mapping")
+
+
+def _write_back(targets, results):
+    # In a static program an in-place op yields new values; assigning them to
+    # the input variables makes the update visible to the caller, as in
+    # dynamic mode.
+    for target, result in zip(targets, results):
+        paddle.assign(result, output=target)
+
+
+def step_paddle(stop_flags, seq_lens_this_time, ori_seq_lens_encoder,
+                seq_lens_encoder, seq_lens_decoder, block_tables,
+                encoder_block_lens, is_block_step, step_block_list, step_lens,
+                recover_block_list, recover_lens, need_block_list,
+                need_block_len, used_list_len, free_list, free_list_len,
+                input_ids, pre_ids, step_idx, next_tokens, first_token_ids,
+                block_size, encoder_decoder_block_num):
+    """One KV-block scheduling step, in place (see SPEC.md, step_paddle).
+
+    Arguments are FastDeploy's, in FastDeploy's order. Returns None.
+    """
+    tensors = (stop_flags, seq_lens_this_time, ori_seq_lens_encoder,
+               seq_lens_encoder, seq_lens_decoder, block_tables,
+               encoder_block_lens, is_block_step, step_block_list, step_lens,
+               recover_block_list, recover_lens, need_block_list,
+               need_block_len, used_list_len, free_list, free_list_len,
+               input_ids, pre_ids, step_idx, next_tokens, first_token_ids)
+    if paddle.in_dynamic_mode():
+        _library.step_paddle(*tensors, int(block_size), int(encoder_decoder_block_num))
+        return None
+    results = _library.static_op_step_paddle(
+        *tensors, int(block_size), int(encoder_decoder_block_num))
+    by_name = dict(zip(STEP_PADDLE_INPUTS, tensors))
+    _write_back([by_name[name] for name in STEP_PADDLE_OUTPUTS], results)
+    return None
+
+
+def advance_step(input_tokens, sampled_token_ids, input_positions, seq_lens,
+                 slot_mapping, block_tables, num_seqs, num_queries, block_size,
+                 *, active=None):
+    """Advances the next decode inputs in place (see SPEC.md, advance_step).
+
+    Rows ``i < num_queries`` with ``active[i]`` (when given) get the sampled
+    token, their position, ``seq_lens + 1`` and their KV slot; the other rows
+    are padding (token 0, position 0, slot -1). Returns None.
+    """
+    tensors = (input_tokens, sampled_token_ids, input_positions, seq_lens,
+               slot_mapping, block_tables)
+    if paddle.in_dynamic_mode():
+        _library.advance_step(*tensors, active, int(num_seqs), int(num_queries),
+                              int(block_size))
+        return None
+    results = _library.static_op_advance_step(
+        *tensors, active, int(num_seqs), int(num_queries), int(block_size))
+    _write_back((input_tokens, input_positions, seq_lens, slot_mapping), results)
+    return None
