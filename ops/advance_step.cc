@@ -14,49 +14,47 @@
 namespace paddle_step {
 namespace {
 
-void CheckAdvanceStepInputs(const paddle::Tensor& input_tokens,
-                            const paddle::Tensor& sampled_token_ids,
-                            const paddle::Tensor& input_positions,
-                            const paddle::Tensor& seq_lens,
-                            const paddle::Tensor& slot_mapping,
-                            const paddle::Tensor& block_tables,
-                            const paddle::optional<paddle::Tensor>& active,
+// Order of the tensor arguments, as in the op's Inputs.
+enum AdvanceStepInput {
+  kInputTokens, kSampledTokenIds, kInputPositions, kSeqLens, kSlotMapping,
+  kBlockTables, kActive
+};
+
+const InputChecker kCheck("advance_step");
+
+// Shapes and the scalar arguments. `specs` has kActive only when given.
+void CheckAdvanceStepShapes(const std::vector<TensorSpec>& specs,
                             int64_t num_seqs, int64_t num_queries,
                             int64_t block_size) {
-  const InputChecker check("advance_step");
-  check.Positive("num_seqs", num_seqs);
-  check.Positive("num_queries", num_queries);
+  kCheck.Positive("num_seqs", num_seqs);
+  kCheck.Positive("num_queries", num_queries);
   if (num_queries > num_seqs) {
-    check.Fail("num_queries",
-               "at most num_seqs (" + std::to_string(num_seqs) + ")",
-               std::to_string(num_queries));
+    kCheck.Fail("num_queries",
+                "at most num_seqs (" + std::to_string(num_seqs) + ")",
+                std::to_string(num_queries));
   }
-  check.Positive("block_size", block_size);
+  kCheck.Positive("block_size", block_size);
+  kCheck.Shape(specs[kInputTokens], {num_seqs});
+  kCheck.BatchVector(specs[kSampledTokenIds], num_queries);
+  kCheck.Shape(specs[kInputPositions], {num_seqs});
+  kCheck.Shape(specs[kSeqLens], {num_seqs});
+  kCheck.Shape(specs[kSlotMapping], {num_seqs});
+  kCheck.Shape(specs[kBlockTables], {num_seqs, -1});
+  if (specs.size() > kActive) kCheck.Shape(specs[kActive], {num_seqs});
+}
 
-  std::vector<NamedTensor> tensors = {
-      {"input_tokens", &input_tokens},   {"sampled_token_ids", &sampled_token_ids},
-      {"input_positions", &input_positions}, {"seq_lens", &seq_lens},
-      {"slot_mapping", &slot_mapping},   {"block_tables", &block_tables}};
-  if (active) tensors.push_back({"active", active.get_ptr()});
-  check.SamePlace(tensors);
-
+void CheckAdvanceStepDtypes(const std::vector<TensorSpec>& specs) {
   const auto int64 = paddle::DataType::INT64;
   const auto int32 = paddle::DataType::INT32;
-  check.Dtype(tensors[0], {int64});
-  check.Dtype(tensors[1], {int64});
-  check.Dtype(tensors[2], {int64});
-  check.Dtype(tensors[3], {int32, int64});
-  check.Dtype(tensors[4], {int64});
-  check.Dtype(tensors[5], {int32, int64});
-  if (active) check.Dtype(tensors[6], {paddle::DataType::BOOL});
-
-  check.Shape(tensors[0], {num_seqs});
-  check.BatchVector(tensors[1], num_queries);
-  check.Shape(tensors[2], {num_seqs});
-  check.Shape(tensors[3], {num_seqs});
-  check.Shape(tensors[4], {num_seqs});
-  check.Shape(tensors[5], {num_seqs, -1});
-  if (active) check.Shape(tensors[6], {num_seqs});
+  kCheck.Dtype(specs[kInputTokens], {int64});
+  kCheck.Dtype(specs[kSampledTokenIds], {int64});
+  kCheck.Dtype(specs[kInputPositions], {int64});
+  kCheck.Dtype(specs[kSeqLens], {int32, int64});
+  kCheck.Dtype(specs[kSlotMapping], {int64});
+  kCheck.Dtype(specs[kBlockTables], {int32, int64});
+  if (specs.size() > kActive) {
+    kCheck.Dtype(specs[kActive], {paddle::DataType::BOOL});
+  }
 }
 
 template <typename SeqLenT, typename BlockT>
@@ -100,6 +98,13 @@ void RunAdvanceStep(const paddle::Tensor& input_tokens,
 
 }  // namespace
 
+void CheckAdvanceStepSpecs(const std::vector<TensorSpec>& specs,
+                           int64_t num_seqs, int64_t num_queries,
+                           int64_t block_size) {
+  CheckAdvanceStepDtypes(specs);
+  CheckAdvanceStepShapes(specs, num_seqs, num_queries, block_size);
+}
+
 void AdvanceStep(const paddle::Tensor& input_tokens,
                  const paddle::Tensor& sampled_token_ids,
                  const paddle::Tensor& input_positions,
@@ -108,9 +113,21 @@ void AdvanceStep(const paddle::Tensor& input_tokens,
                  const paddle::Tensor& block_tables,
                  const paddle::optional<paddle::Tensor>& active,
                  int64_t num_seqs, int64_t num_queries, int64_t block_size) {
-  CheckAdvanceStepInputs(input_tokens, sampled_token_ids, input_positions,
-                         seq_lens, slot_mapping, block_tables, active,
-                         num_seqs, num_queries, block_size);
+  std::vector<NamedTensor> tensors = {
+      {"input_tokens", &input_tokens},
+      {"sampled_token_ids", &sampled_token_ids},
+      {"input_positions", &input_positions},
+      {"seq_lens", &seq_lens},
+      {"slot_mapping", &slot_mapping},
+      {"block_tables", &block_tables}};
+  if (active) tensors.push_back({"active", active.get_ptr()});
+  std::vector<TensorSpec> specs;
+  for (const NamedTensor& tensor : tensors) {
+    specs.push_back(SpecOf(tensor.first, *tensor.second));
+  }
+  CheckAdvanceStepSpecs(specs, num_seqs, num_queries, block_size);
+  kCheck.SamePlace(tensors);
+
   const bool seq_lens_int64 = seq_lens.dtype() == paddle::DataType::INT64;
   const bool tables_int64 = block_tables.dtype() == paddle::DataType::INT64;
   auto run = seq_lens_int64

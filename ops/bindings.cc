@@ -5,8 +5,30 @@
 // The module name must match the op library's name (setup_ops.py): Paddle's
 // generated loader imports the library as a Python extension module of that
 // name, which is what exposes these functions.
+#include <string>
+#include <tuple>
+#include <vector>
+
 #include "paddle/utils/pybind.h"
 #include "paddle_step_ops.h"
+
+namespace {
+
+// (name, dtype name, shape) as the Python wrapper describes a variable.
+using SpecTuple = std::tuple<std::string, std::string, std::vector<int64_t>>;
+
+std::vector<paddle_step::TensorSpec> ToSpecs(
+    const std::vector<SpecTuple>& described) {
+  std::vector<paddle_step::TensorSpec> specs;
+  for (const SpecTuple& spec : described) {
+    specs.push_back({std::get<0>(spec),
+                     paddle_step::DataTypeFromName(std::get<1>(spec)),
+                     std::get<2>(spec)});
+  }
+  return specs;
+}
+
+}  // namespace
 
 PYBIND11_MODULE(paddle_step_ops, module) {
   module.doc() = "paddle_step kernels: pybind11 fast path";
@@ -17,4 +39,14 @@ PYBIND11_MODULE(paddle_step_ops, module) {
              pybind11::arg("active"), pybind11::arg("num_seqs"),
              pybind11::arg("num_queries"), pybind11::arg("block_size"));
   module.def("step_paddle", &paddle_step::StepPaddle);
+  module.def("check_advance_step",
+             [](const std::vector<SpecTuple>& specs, int64_t num_seqs,
+                int64_t num_queries, int64_t block_size) {
+               paddle_step::CheckAdvanceStepSpecs(ToSpecs(specs), num_seqs,
+                                                  num_queries, block_size);
+             });
+  module.def("check_step_paddle",
+             [](const std::vector<SpecTuple>& specs, int64_t block_size) {
+               paddle_step::CheckStepPaddleSpecs(ToSpecs(specs), block_size);
+             });
 }

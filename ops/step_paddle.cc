@@ -22,7 +22,59 @@ T* Mutable(const paddle::Tensor& tensor) {
   return const_cast<T*>(tensor.data<T>());
 }
 
+const InputChecker kCheck("step_paddle");
+
+bool NameIs(const TensorSpec& spec, std::initializer_list<const char*> names) {
+  for (const char* name : names) {
+    if (spec.name == name) return true;
+  }
+  return false;
+}
+
+// `specs` in the op's input order; B is stop_flags' first dimension.
+void CheckStepPaddleShapes(const std::vector<TensorSpec>& specs,
+                           int64_t block_size) {
+  kCheck.Positive("block_size", block_size);
+  if (specs[0].shape.empty()) {
+    kCheck.Fail("stop_flags", "shape [B] or [B, 1]", "a scalar");
+  }
+  const int64_t batch = specs[0].shape[0];
+  for (const TensorSpec& spec : specs) {
+    if (NameIs(spec, {"block_tables", "input_ids", "pre_ids"})) {
+      kCheck.Shape(spec, {batch, -1});
+    } else if (NameIs(spec, {"free_list"})) {
+      kCheck.Shape(spec, {-1});
+    } else if (NameIs(spec, {"is_block_step"})) {
+      kCheck.Shape(spec, {batch});
+    } else if (NameIs(spec, {"step_lens", "recover_lens", "need_block_len",
+                             "free_list_len"})) {
+      kCheck.Shape(spec, {1});
+    } else {
+      kCheck.BatchVector(spec, batch);
+    }
+  }
+}
+
+void CheckStepPaddleDtypes(const std::vector<TensorSpec>& specs) {
+  for (const TensorSpec& spec : specs) {
+    if (NameIs(spec, {"stop_flags", "is_block_step"})) {
+      kCheck.Dtype(spec, {paddle::DataType::BOOL});
+    } else if (NameIs(spec, {"input_ids", "pre_ids", "step_idx", "next_tokens",
+                             "first_token_ids"})) {
+      kCheck.Dtype(spec, {paddle::DataType::INT64});
+    } else {
+      kCheck.Dtype(spec, {paddle::DataType::INT32});
+    }
+  }
+}
+
 }  // namespace
+
+void CheckStepPaddleSpecs(const std::vector<TensorSpec>& specs,
+                          int64_t block_size) {
+  CheckStepPaddleDtypes(specs);
+  CheckStepPaddleShapes(specs, block_size);
+}
 
 void StepPaddle(const paddle::Tensor& stop_flags,
                 const paddle::Tensor& seq_lens_this_time,
@@ -47,8 +99,6 @@ void StepPaddle(const paddle::Tensor& stop_flags,
                 const paddle::Tensor& next_tokens,
                 const paddle::Tensor& first_token_ids, int64_t block_size,
                 int64_t /*encoder_decoder_block_num: FastDeploy compat*/) {
-  const InputChecker check("step_paddle");
-  check.Positive("block_size", block_size);
   const std::vector<NamedTensor> tensors = {
       {"stop_flags", &stop_flags},
       {"seq_lens_this_time", &seq_lens_this_time},
@@ -72,40 +122,13 @@ void StepPaddle(const paddle::Tensor& stop_flags,
       {"step_idx", &step_idx},
       {"next_tokens", &next_tokens},
       {"first_token_ids", &first_token_ids}};
-  check.SamePlace(tensors);
-
-  const auto int32 = paddle::DataType::INT32;
-  const auto int64 = paddle::DataType::INT64;
-  const auto boolean = paddle::DataType::BOOL;
-  check.Dtype(tensors[0], {boolean});
-  if (stop_flags.shape().empty()) {
-    check.Fail("stop_flags", "shape [B] or [B, 1]", "a scalar");
-  }
-  const int64_t batch = stop_flags.shape()[0];
+  std::vector<TensorSpec> specs;
   for (const NamedTensor& tensor : tensors) {
-    const std::string name = tensor.first;
-    if (name == "stop_flags" || name == "is_block_step") {
-      check.Dtype(tensor, {boolean});
-    } else if (name == "input_ids" || name == "pre_ids" ||
-               name == "step_idx" || name == "next_tokens" ||
-               name == "first_token_ids") {
-      check.Dtype(tensor, {int64});
-    } else {
-      check.Dtype(tensor, {int32});
-    }
-    if (name == "block_tables" || name == "input_ids" || name == "pre_ids") {
-      check.Shape(tensor, {batch, -1});
-    } else if (name == "free_list") {
-      check.Shape(tensor, {-1});
-    } else if (name == "is_block_step") {
-      check.Shape(tensor, {batch});
-    } else if (name == "step_lens" || name == "recover_lens" ||
-               name == "need_block_len" || name == "free_list_len") {
-      check.Shape(tensor, {1});
-    } else {
-      check.BatchVector(tensor, batch);
-    }
+    specs.push_back(SpecOf(tensor.first, *tensor.second));
   }
+  CheckStepPaddleSpecs(specs, block_size);
+  kCheck.SamePlace(tensors);
+  const int64_t batch = stop_flags.shape()[0];
 
   StepPaddleParams params;
   params.stop_flags = Mutable<bool>(stop_flags);

@@ -16,6 +16,35 @@
 
 namespace paddle_step {
 
+// What validation sees of a tensor: enough to check a real tensor and a
+// static-mode variable while its program is built, where a dimension may
+// still be unknown (-1).
+struct TensorSpec {
+  std::string name;
+  paddle::DataType dtype;
+  std::vector<int64_t> shape;
+};
+
+inline TensorSpec SpecOf(const char* name, const paddle::Tensor& tensor) {
+  return {name, tensor.dtype(), tensor.shape()};
+}
+
+// The dtype named as Python prints it ("int32", "paddle.int32"); UNDEFINED
+// for a name not listed, which every dtype check then rejects.
+inline paddle::DataType DataTypeFromName(std::string name) {
+  const std::string prefix = "paddle.";
+  if (name.compare(0, prefix.size(), prefix) == 0) name = name.substr(prefix.size());
+  for (paddle::DataType dtype :
+       {paddle::DataType::BOOL, paddle::DataType::INT8, paddle::DataType::UINT8,
+        paddle::DataType::INT16, paddle::DataType::INT32,
+        paddle::DataType::INT64, paddle::DataType::FLOAT16,
+        paddle::DataType::BFLOAT16, paddle::DataType::FLOAT32,
+        paddle::DataType::FLOAT64}) {
+    if (phi::DataTypeToString(dtype) == name) return dtype;
+  }
+  return paddle::DataType::UNDEFINED;
+}
+
 using NamedTensor = std::pair<const char*, const paddle::Tensor*>;
 
 inline std::string ShapeString(const std::vector<int64_t>& shape) {
@@ -58,43 +87,35 @@ class InputChecker {
                                 ", got " + received);
   }
 
-  void Dtype(const NamedTensor& tensor,
+  void Dtype(const TensorSpec& tensor,
              std::initializer_list<paddle::DataType> allowed) const {
-    const paddle::DataType dtype = tensor.second->dtype();
+    const paddle::DataType dtype = tensor.dtype;
     std::string expected;
     for (paddle::DataType candidate : allowed) {
       if (candidate == dtype) return;
       expected += (expected.empty() ? "dtype " : " or ") +
                   phi::DataTypeToString(candidate);
     }
-    Fail(tensor.first, expected, "dtype " + phi::DataTypeToString(dtype));
+    Fail(tensor.name, expected, "dtype " + phi::DataTypeToString(dtype));
   }
 
-  // Exact shape; -1 in `expected` accepts any size in that dimension.
-  void Shape(const NamedTensor& tensor,
+  // Exact shape; -1 in `expected` accepts any size in that dimension, and a
+  // dimension not known yet (-1, at program-build time) is accepted.
+  void Shape(const TensorSpec& tensor,
              const std::vector<int64_t>& expected) const {
-    const std::vector<int64_t> shape = tensor.second->shape();
-    bool matches = shape.size() == expected.size();
-    for (size_t i = 0; matches && i < shape.size(); ++i) {
-      matches = expected[i] < 0 || expected[i] == shape[i];
-    }
-    if (!matches) {
-      Fail(tensor.first, "shape " + ShapeString(expected),
-           "shape " + ShapeString(shape));
+    if (!Matches(tensor.shape, expected)) {
+      Fail(tensor.name, "shape " + ShapeString(expected),
+           "shape " + ShapeString(tensor.shape));
     }
   }
 
   // A per-sequence vector: [batch] or [batch, 1].
-  void BatchVector(const NamedTensor& tensor, int64_t batch) const {
-    const std::vector<int64_t> shape = tensor.second->shape();
-    const bool matches =
-        (shape.size() == 1 && shape[0] == batch) ||
-        (shape.size() == 2 && shape[0] == batch && shape[1] == 1);
-    if (!matches) {
-      Fail(tensor.first,
+  void BatchVector(const TensorSpec& tensor, int64_t batch) const {
+    if (!Matches(tensor.shape, {batch}) && !Matches(tensor.shape, {batch, 1})) {
+      Fail(tensor.name,
            "shape [" + std::to_string(batch) + "] or [" +
                std::to_string(batch) + ", 1]",
-           "shape " + ShapeString(shape));
+           "shape " + ShapeString(tensor.shape));
     }
   }
 
@@ -131,6 +152,17 @@ class InputChecker {
   }
 
  private:
+  static bool Matches(const std::vector<int64_t>& shape,
+                      const std::vector<int64_t>& expected) {
+    if (shape.size() != expected.size()) return false;
+    for (size_t i = 0; i < shape.size(); ++i) {
+      if (expected[i] >= 0 && shape[i] >= 0 && expected[i] != shape[i]) {
+        return false;
+      }
+    }
+    return true;
+  }
+
   std::string op_name_;
 };
 

@@ -1,9 +1,9 @@
 """The two ops, as Python functions.
 
 In dynamic mode they call the pybind11 binding of the C++ entry point (about
-1 us of dispatch); in static mode (inside ``paddle.jit.to_static``) they add
-the registered ``static_op_*`` op to the program. Both run the same
-validation and kernels.
+1 us of dispatch); in static mode (inside ``paddle.jit.to_static``) they run
+the same C++ input checks on the variables' dtypes and shapes, then add the
+registered ``static_op_*`` op to the program. Both run the same kernels.
 """
 
 from __future__ import annotations
@@ -25,7 +25,14 @@ STEP_PADDLE_OUTPUTS = tuple(
     name for name in STEP_PADDLE_INPUTS
     if name not in ("ori_seq_lens_encoder", "pre_ids", "step_idx", "next_tokens")
 )
-ADVANCE_STEP_OUTPUTS = ("input_tokens", "input_positions", "seq_lens", "slot_mapping")
+ADVANCE_STEP_INPUTS = ("input_tokens", "sampled_token_ids", "input_positions",
+                       "seq_lens", "slot_mapping", "block_tables")
+
+
+def _describe(names, tensors):
+    """(name, dtype, shape) of static-mode variables, for the C++ checks."""
+    return [(name, str(tensor.dtype), list(tensor.shape))
+            for name, tensor in zip(names, tensors)]
 
 
 def _write_back(targets, results):
@@ -56,6 +63,7 @@ def step_paddle(stop_flags, seq_lens_this_time, ori_seq_lens_encoder,
     if paddle.in_dynamic_mode():
         _library.step_paddle(*tensors, int(block_size), int(encoder_decoder_block_num))
         return None
+    _library.check_step_paddle(_describe(STEP_PADDLE_INPUTS, tensors), int(block_size))
     results = _library.static_op_step_paddle(
         *tensors, int(block_size), int(encoder_decoder_block_num))
     by_name = dict(zip(STEP_PADDLE_INPUTS, tensors))
@@ -78,7 +86,13 @@ def advance_step(input_tokens, sampled_token_ids, input_positions, seq_lens,
         _library.advance_step(*tensors, active, int(num_seqs), int(num_queries),
                               int(block_size))
         return None
+    names = ADVANCE_STEP_INPUTS
+    if active is not None:
+        tensors += (active,)
+        names += ("active",)
+    _library.check_advance_step(_describe(names, tensors), int(num_seqs),
+                                int(num_queries), int(block_size))
     results = _library.static_op_advance_step(
-        *tensors, active, int(num_seqs), int(num_queries), int(block_size))
+        *tensors[:6], active, int(num_seqs), int(num_queries), int(block_size))
     _write_back((input_tokens, input_positions, seq_lens, slot_mapping), results)
     return None

@@ -1,0 +1,23 @@
+"""Shared fixtures: the places every op test runs on."""
+
+import paddle
+import pytest
+
+
+def available_places():
+    places = ["cpu"]
+    if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
+        places.append("gpu")
+    return places
+
+
+PLACES = available_places()
+
+
+@pytest.fixture(params=["cpu", "gpu"])
+def place(request):
+    if request.param not in PLACES:
+        pytest.skip("no CUDA device: paddle is not compiled with CUDA or sees no GPU")
+    paddle.set_device(request.param)
+    yield request.param
+    paddle.set_device("cpu")
