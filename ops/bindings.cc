@@ -32,12 +32,28 @@ std::vector<paddle_step::TensorSpec> ToSpecs(
 
 PYBIND11_MODULE(paddle_step_ops, module) {
   module.doc() = "paddle_step kernels: pybind11 fast path";
-  module.def("advance_step", &paddle_step::AdvanceStep,
-             pybind11::arg("input_tokens"), pybind11::arg("sampled_token_ids"),
-             pybind11::arg("input_positions"), pybind11::arg("seq_lens"),
-             pybind11::arg("slot_mapping"), pybind11::arg("block_tables"),
-             pybind11::arg("active"), pybind11::arg("num_seqs"),
-             pybind11::arg("num_queries"), pybind11::arg("block_size"));
+  // `active` comes in as a plain object: paddle 2.6's pybind caster for
+  // paddle::optional does not compile.
+  module.def(
+      "advance_step",
+      [](const paddle::Tensor& input_tokens,
+         const paddle::Tensor& sampled_token_ids,
+         const paddle::Tensor& input_positions, const paddle::Tensor& seq_lens,
+         const paddle::Tensor& slot_mapping, const paddle::Tensor& block_tables,
+         const pybind11::object& active, int64_t num_seqs,
+         int64_t num_queries, int64_t block_size) {
+        paddle::optional<paddle::Tensor> active_mask;
+        if (!active.is_none()) active_mask = active.cast<paddle::Tensor>();
+        paddle_step::AdvanceStep(input_tokens, sampled_token_ids,
+                                 input_positions, seq_lens, slot_mapping,
+                                 block_tables, active_mask, num_seqs,
+                                 num_queries, block_size);
+      },
+      pybind11::arg("input_tokens"), pybind11::arg("sampled_token_ids"),
+      pybind11::arg("input_positions"), pybind11::arg("seq_lens"),
+      pybind11::arg("slot_mapping"), pybind11::arg("block_tables"),
+      pybind11::arg("active"), pybind11::arg("num_seqs"),
+      pybind11::arg("num_queries"), pybind11::arg("block_size"));
   module.def("step_paddle", &paddle_step::StepPaddle);
   module.def("check_advance_step",
              [](const std::vector<SpecTuple>& specs, int64_t num_seqs,

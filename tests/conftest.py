@@ -1,5 +1,9 @@
 """Shared fixtures: the places every op test runs on."""
 
+# paddle 2.6 ships its own zlib; loading the system one first avoids a
+# segfault in inflateReset2 (seen in to_static's source handling).
+import zlib  # noqa: F401  isort: skip
+
 import paddle
 import pytest
 

@@ -104,6 +104,7 @@ def test_inactive_rows_keep_their_seq_len(place):
     np.testing.assert_array_equal(got[3][~active], -1)
 
 
+@pytest.mark.needs_paddle3
 def test_in_place_inside_to_static():
     case, _ = make_case(9, 5, 16, np.int64, np.int32, False, np.random.default_rng(1))
     expected = ref_advance_step(**case, num_seqs=9, num_queries=5, block_size=16)
@@ -183,6 +184,7 @@ def test_bad_input_raises_before_writing(label, overrides, message):
         np.testing.assert_array_equal(tensor.numpy(), before[name], err_msg=name)
 
 
+@pytest.mark.needs_paddle3
 def test_bad_input_raises_in_static_mode():
     tensors = valid_tensors()
 

@@ -11,7 +11,8 @@
 //  - a table column is used only when 0 <= column < blocks_per_seq;
 //  - a push onto a full list (free_list, step_block_list) is dropped;
 //  - the pool length and step_lens are clamped to their lists on entry;
-//  - recovery stops at a step_block_list entry that is not a slot id;
+//  - recovery stops at a step_block_list entry that is not a preempted
+//    slot (not a slot id, or not is_block_step);
 //  - input_ids / pre_ids positions outside their rows are skipped.
 #pragma once
 
@@ -225,7 +226,9 @@ PADDLE_STEP_HOST_DEVICE int64_t TryRecoverTop(const StepPaddleParams& p,
                                               int64_t recovered_count) {
   if (*step_len <= 0) return 0;
   const int64_t slot = p.step_block_list[*step_len - 1];
-  if (slot < 0 || slot >= p.batch_size) return 0;
+  // An entry that is not a preempted sequence (not a slot id, or a slot
+  // listed twice and already recovered) ends recovery.
+  if (slot < 0 || slot >= p.batch_size || !p.is_block_step[slot]) return 0;
   const int64_t budget = RecoveryBudget(p, slot);
   if (pool_left < budget) return 0;
   p.is_block_step[slot] = false;

@@ -40,6 +40,9 @@ def _write_back(targets, results):
     # the input variables makes the update visible to the caller, as in
     # dynamic mode.
     for target, result in zip(targets, results):
+        # Integer bookkeeping has no gradient; paddle 2.6 would otherwise try
+        # to build a backward pass for the op.
+        result.stop_gradient = True
         paddle.assign(result, output=target)
 
 
