@@ -10,7 +10,7 @@ import paddle
 import pytest
 
 import paddle_step
-from fake_decode_loop import FakeDecodeLoop, make_state
+from fake_decode_loop import FakeDecodeLoop, add_preempted, make_state
 from ref_step_paddle import STEP_PADDLE_TENSORS, ref_step_paddle
 
 
@@ -113,6 +113,16 @@ def test_random_states_match_reference(place, batch):
         block_size = int(rng.integers(1, 5))
         assert_same_bytes(run_op(state, block_size), ref_step_paddle(state, block_size),
                           f"trial {trial}")
+
+
+@pytest.mark.parametrize("step_idx", [np.iinfo(np.int64).min, -5, 0, 1, 30,
+                                      np.iinfo(np.int64).max])
+def test_recovery_with_extreme_step_idx(place, step_idx):
+    # Index arithmetic on step_idx must neither overflow nor leave the rows.
+    state = make_state(2, 6, 24, free_list=[10, 11, 12])
+    add_preempted(state, 1, encoder_blocks=[0], used_list_len=1, prompt_len=2, step_idx=3)
+    state["step_idx"][1] = step_idx
+    assert_same_bytes(run_op(state, 4), ref_step_paddle(state, 4))
 
 
 def test_batch_4096(place):

@@ -255,7 +255,9 @@ PADDLE_STEP_HOST_DEVICE void RebuildRecovered(const StepPaddleParams& p,
 
   const int64_t prompt_len = p.ori_seq_lens_encoder[slot];
   const int64_t steps = p.step_idx[slot];
-  const int32_t prefill_len = static_cast<int32_t>(prompt_len + steps);
+  // Wraps like the int32 store it is, without signed overflow.
+  const int32_t prefill_len = static_cast<int32_t>(
+      static_cast<uint64_t>(prompt_len) + static_cast<uint64_t>(steps));
   p.seq_lens_this_time[slot] = prefill_len;
   p.seq_lens_encoder[slot] = prefill_len;
   p.stop_flags[slot] = false;
@@ -263,16 +265,22 @@ PADDLE_STEP_HOST_DEVICE void RebuildRecovered(const StepPaddleParams& p,
   int64_t* ids = p.input_ids + slot * p.input_ids_len;
   const int64_t* generated = p.pre_ids + slot * p.pre_ids_len;
   if (p.input_ids_len > 0) ids[0] = p.first_token_ids[slot];
+  // Index arithmetic on a bounded step count cannot overflow; a step_idx
+  // beyond the bound addresses nothing inside the rows either way.
+  const int64_t kIndexBound = int64_t{1} << 40;
+  const int64_t bounded_steps =
+      steps < -kIndexBound ? -kIndexBound
+                           : (steps > kIndexBound ? kIndexBound : steps);
   // ids[prompt_len + i] = generated[i + 1] for 0 <= i < steps - 1, limited
   // to positions inside both rows.
-  int64_t first = prompt_len < 0 ? -prompt_len : 0;
-  int64_t end = steps - 1;
+  const int64_t first = prompt_len < 0 ? -prompt_len : 0;
+  int64_t end = bounded_steps - 1;
   if (p.input_ids_len - prompt_len < end) end = p.input_ids_len - prompt_len;
   if (p.pre_ids_len - 1 < end) end = p.pre_ids_len - 1;
   for (int64_t i = first; i < end; ++i) {
     ids[prompt_len + i] = generated[i + 1];
   }
-  const int64_t last = prompt_len + steps - 1;
+  const int64_t last = prompt_len + bounded_steps - 1;
   if (last >= 0 && last < p.input_ids_len) ids[last] = p.next_tokens[slot];
 }
 
