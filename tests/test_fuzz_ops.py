@@ -1,0 +1,180 @@
+"""Property-based tests (hypothesis) for both ops.
+
+Valid states keep SPEC's invariants and match the references byte for byte;
+invalid inputs raise a ValueError naming the argument and never crash the
+interpreter (those run in a subprocess, so a crash fails the test instead of
+killing the run).
+"""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import paddle
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import paddle_step
+from paddle_step.check_state import check_state
+from fake_decode_loop import FakeDecodeLoop
+from ref_advance_step import ref_advance_step
+from ref_step_paddle import STEP_PADDLE_TENSORS, ref_step_paddle
+from test_step_paddle import assert_same_bytes, random_state, run_op
+
+FUZZ = settings(max_examples=60, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow])
+
+
+@FUZZ
+@given(batch=st.integers(1, 12), block_size=st.sampled_from([1, 2, 4, 8]),
+       seed=st.integers(0, 2**32 - 1), tight=st.booleans(),
+       stopped_shape=st.sampled_from(["[B]", "[B,1]"]))
+def test_serving_states_keep_invariants(batch, block_size, seed, tight, stopped_shape):
+    blocks_per_seq = 32 // block_size
+    max_len = blocks_per_seq * block_size
+    budget = blocks_per_seq  # the largest recovery budget always fits
+    loop = FakeDecodeLoop(batch, max_len, block_size, blocks_per_seq,
+                          budget if tight else budget * batch, 64 * batch, seed=seed,
+                          stop_prob=0.05, prompt_len_range=(1, block_size + 1),
+                          output_len_range=(1, max_len // 2), num_requests=2 * batch,
+                          stopped_shape=stopped_shape)
+
+    def step(state):
+        got = run_op(state, block_size)
+        assert_same_bytes(got, ref_step_paddle(state, block_size))
+        check_state(got, block_size, decoder_blocks=loop.decoder_block_ids)
+        return got
+
+    loop.run(step, max_steps=2000)
+
+
+@FUZZ
+@given(batch=st.integers(1, 40), block_size=st.integers(1, 6), seed=st.integers(0, 2**32 - 1))
+def test_any_state_matches_reference(batch, block_size, seed):
+    # Includes states no loop produces: the bounds rules must agree and the
+    # call must return.
+    state = random_state(batch, np.random.default_rng(seed))
+    assert_same_bytes(run_op(state, block_size), ref_step_paddle(state, block_size))
+
+
+@FUZZ
+@given(num_seqs=st.integers(1, 300), data=st.data())
+def test_advance_step_matches_reference(num_seqs, data):
+    num_queries = data.draw(st.integers(1, num_seqs))
+    block_size = data.draw(st.integers(1, 64))
+    blocks_per_seq = data.draw(st.integers(0, 6))
+    seq_dtype = data.draw(st.sampled_from([np.int32, np.int64]))
+    table_dtype = data.draw(st.sampled_from([np.int32, np.int64]))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    case = {
+        "input_tokens": rng.integers(-5, 5, num_seqs).astype(np.int64),
+        "sampled_token_ids": rng.integers(0, 2**40, (num_queries, 1)).astype(np.int64),
+        "input_positions": rng.integers(-5, 5, num_seqs).astype(np.int64),
+        "seq_lens": rng.integers(-3, (blocks_per_seq + 1) * block_size + 3,
+                                 num_seqs).astype(seq_dtype),
+        "slot_mapping": rng.integers(-5, 5, num_seqs).astype(np.int64),
+        "block_tables": rng.integers(-2, 2**31 - 1, (num_seqs, blocks_per_seq)).astype(table_dtype),
+    }
+    active = rng.random(num_seqs) < 0.7 if data.draw(st.booleans()) else None
+    tensors = {name: paddle.to_tensor(value) for name, value in case.items()}
+    paddle_step.advance_step(*tensors.values(), num_seqs, num_queries, block_size,
+                             active=None if active is None else paddle.to_tensor(active))
+    expected = ref_advance_step(**case, num_seqs=num_seqs, num_queries=num_queries,
+                                block_size=block_size, active=active)
+    for name, want in zip(("input_tokens", "input_positions", "seq_lens", "slot_mapping"),
+                          expected):
+        np.testing.assert_array_equal(tensors[name].numpy(), want, err_msg=name)
+
+
+# Each invalid call: mutate one argument of a valid call (dtype, rank, shape or
+# scalar), expect a ValueError naming it. Run in a child interpreter.
+INVALID_CALLS = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import paddle
+    import paddle_step
+    from fake_decode_loop import make_state
+    from ref_step_paddle import STEP_PADDLE_TENSORS
+
+    rng = np.random.default_rng(int(sys.argv[1]))
+    outcomes = []
+    DTYPES = ["bool", "int8", "int16", "int32", "int64", "float32", "float64"]
+
+    def mutate(array, accepted_dtypes, first_dim_fixed=True):
+        # Always invalid: a dtype the argument does not accept, one more
+        # dimension, or (where it is fixed) another first dimension.
+        kind = rng.integers(0, 3 if first_dim_fixed else 2)
+        if kind == 0:
+            return array.astype(rng.choice([d for d in DTYPES if d not in accepted_dtypes]))
+        if kind == 1:
+            return np.zeros(array.shape + (2,), array.dtype)
+        return np.zeros((array.shape[0] + int(rng.integers(1, 3)),) + array.shape[1:], array.dtype)
+
+    def step_paddle_dtypes(name):
+        if name in ("stop_flags", "is_block_step"):
+            return ["bool"]
+        if name in ("input_ids", "pre_ids", "step_idx", "next_tokens", "first_token_ids"):
+            return ["int64"]
+        return ["int32"]
+
+    for trial in range(40):
+        state = make_state(3, 4, 16, free_list=[9, 8, 7])
+        name = STEP_PADDLE_TENSORS[rng.integers(0, len(STEP_PADDLE_TENSORS))]
+        block_size = 4
+        if rng.random() < 0.15:
+            name, block_size = "block_size", int(rng.integers(-3, 1))
+        else:
+            state[name] = mutate(state[name], step_paddle_dtypes(name),
+                                 first_dim_fixed=name != "free_list")
+        tensors = [paddle.to_tensor(state[key]) for key in STEP_PADDLE_TENSORS]
+        try:
+            paddle_step.step_paddle(*tensors, block_size, 0)
+            outcomes.append(["step_paddle", name, "no error"])
+        except ValueError as error:
+            outcomes.append(["step_paddle", name, str(error)])
+
+    ADVANCE = {"input_tokens": ["int64"], "sampled_token_ids": ["int64"],
+               "input_positions": ["int64"], "seq_lens": ["int32", "int64"],
+               "slot_mapping": ["int64"], "block_tables": ["int32", "int64"]}
+    for trial in range(40):
+        arrays = {"input_tokens": np.zeros(4, np.int64),
+                  "sampled_token_ids": np.zeros((3, 1), np.int64),
+                  "input_positions": np.zeros(4, np.int64),
+                  "seq_lens": np.zeros(4, np.int32),
+                  "slot_mapping": np.zeros(4, np.int64),
+                  "block_tables": np.zeros((4, 2), np.int32)}
+        scalars = {"num_seqs": 4, "num_queries": 3, "block_size": 16}
+        if rng.random() < 0.3:
+            name = str(rng.choice(list(scalars)))
+            wrong = {"num_seqs": [-1, 0, 2, 3, 5], "num_queries": [-1, 0, 1, 2, 4, 5],
+                     "block_size": [-2, -1, 0]}[name]
+            scalars[name] = int(rng.choice(wrong))
+        else:
+            name = str(rng.choice(list(ADVANCE)))
+            arrays[name] = mutate(arrays[name], ADVANCE[name])
+        try:
+            paddle_step.advance_step(*(paddle.to_tensor(arrays[key]) for key in ADVANCE),
+                                     *scalars.values())
+            outcomes.append(["advance_step", name, "no error"])
+        except ValueError as error:
+            outcomes.append(["advance_step", name, str(error)])
+    print(json.dumps(outcomes))
+""")
+
+
+def test_invalid_inputs_raise_and_never_crash(tmp_path):
+    script = tmp_path / "invalid_calls.py"
+    script.write_text(INVALID_CALLS)
+    tests_dir = str(__import__("pathlib").Path(__file__).parent)
+    for seed in range(3):
+        result = subprocess.run([sys.executable, str(script), str(seed)], cwd=tests_dir,
+                                capture_output=True, text=True, timeout=120,
+                                env={**__import__("os").environ, "PYTHONPATH": tests_dir})
+        assert result.returncode == 0, f"child crashed ({result.returncode}): {result.stderr[-2000:]}"
+        outcomes = json.loads(result.stdout.strip().splitlines()[-1])
+        for op, name, message in outcomes:
+            assert message != "no error", f"{op}: an invalid '{name}' was accepted"
+            assert message.startswith(f"paddle_step.{op}: argument '"), message
+            assert "expected" in message and ", got " in message, message
