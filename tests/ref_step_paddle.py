@@ -21,31 +21,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-# SPEC's tensors, in FastDeploy's argument order.
-STEP_PADDLE_TENSORS = (
-    "stop_flags",
-    "seq_lens_this_time",
-    "ori_seq_lens_encoder",
-    "seq_lens_encoder",
-    "seq_lens_decoder",
-    "block_tables",
-    "encoder_block_lens",
-    "is_block_step",
-    "step_block_list",
-    "step_lens",
-    "recover_block_list",
-    "recover_lens",
-    "need_block_list",
-    "need_block_len",
-    "used_list_len",
-    "free_list",
-    "free_list_len",
-    "input_ids",
-    "pre_ids",
-    "step_idx",
-    "next_tokens",
-    "first_token_ids",
-)
+from paddle_step.check_state import STEP_PADDLE_TENSORS  # SPEC's 22 names, in order
 
 
 def c_div(numerator: int, denominator: int) -> int:

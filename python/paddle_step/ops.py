@@ -12,17 +12,11 @@ import paddle
 
 import paddle_step_ops as _library
 
-STEP_PADDLE_INPUTS = (
-    "stop_flags", "seq_lens_this_time", "ori_seq_lens_encoder",
-    "seq_lens_encoder", "seq_lens_decoder", "block_tables",
-    "encoder_block_lens", "is_block_step", "step_block_list", "step_lens",
-    "recover_block_list", "recover_lens", "need_block_list", "need_block_len",
-    "used_list_len", "free_list", "free_list_len", "input_ids", "pre_ids",
-    "step_idx", "next_tokens", "first_token_ids",
-)
+from .check_state import STEP_PADDLE_TENSORS
+
 # The inputs step_paddle writes, in the order of its outputs.
 STEP_PADDLE_OUTPUTS = tuple(
-    name for name in STEP_PADDLE_INPUTS
+    name for name in STEP_PADDLE_TENSORS
     if name not in ("ori_seq_lens_encoder", "pre_ids", "step_idx", "next_tokens")
 )
 ADVANCE_STEP_INPUTS = ("input_tokens", "sampled_token_ids", "input_positions",
@@ -66,10 +60,10 @@ def step_paddle(stop_flags, seq_lens_this_time, ori_seq_lens_encoder,
     if paddle.in_dynamic_mode():
         _library.step_paddle(*tensors, int(block_size), int(encoder_decoder_block_num))
         return None
-    _library.check_step_paddle(_describe(STEP_PADDLE_INPUTS, tensors), int(block_size))
+    _library.check_step_paddle(_describe(STEP_PADDLE_TENSORS, tensors), int(block_size))
     results = _library.static_op_step_paddle(
         *tensors, int(block_size), int(encoder_decoder_block_num))
-    by_name = dict(zip(STEP_PADDLE_INPUTS, tensors))
+    by_name = dict(zip(STEP_PADDLE_TENSORS, tensors))
     _write_back([by_name[name] for name in STEP_PADDLE_OUTPUTS], results)
     return None
 
