@@ -1,0 +1,259 @@
+"""Engine unit tests: config checks, allocator, admission, stops, slot reuse, invariants."""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import pytest
+
+from paddle_step.block_allocator import EncoderBlockAllocator
+from paddle_step.check_state import check_state
+from paddle_step.engine import Engine
+from paddle_step.model import ModelConfig, TinyLlama
+from paddle_step.naive import generate_naive
+from paddle_step.sampling import sample_tokens
+from paddle_step.state import EngineConfig, ShareInputs
+
+
+@pytest.fixture(scope="module")
+def model() -> TinyLlama:
+    return TinyLlama(ModelConfig(dtype="float64", seed=11))
+
+
+def greedy_reference(model: TinyLlama, prompts, max_new_tokens) -> list[list[int]]:
+    results, _ = generate_naive(model, prompts, max_new_tokens)
+    return [result.token_ids for result in results]
+
+
+def assert_blocks_conserved(engine: Engine) -> None:
+    """Decoder blocks are each in the pool or in one running slot's decoder columns; prompt
+    blocks in slots' encoder columns are exactly those the host allocator handed out."""
+    config, state = engine.config, engine.state
+    pool = state.free_list.numpy()[: int(state.free_list_len.numpy()[0])].tolist()
+    tables = state.block_tables.numpy()
+    encoder_lens = state.encoder_block_lens.numpy()
+    used = state.used_list_len.numpy()
+    preempted = state.is_block_step.numpy()  # holds no decoder block, keeps used_list_len
+    in_tables = tables[tables >= 0].tolist()
+    assert len(set(in_tables)) == len(in_tables), f"a block is in two table cells: {tables}"
+    decoder_owned, encoder_held = [], []
+    for slot in range(config.max_batch):
+        encoder_held += tables[slot, : encoder_lens[slot]].tolist()
+        if not preempted[slot]:
+            first = encoder_lens[slot]
+            decoder_owned += tables[slot, first: first + used[slot]].tolist()
+    assert sorted(pool + decoder_owned) == list(
+        range(config.num_encoder_blocks, config.num_kv_blocks)
+    ), f"pool {sorted(pool)} + decoder-owned {sorted(decoder_owned)}"
+    assert sorted(encoder_held) == sorted(engine.encoder_blocks.allocated)
+    assert sorted(in_tables) == sorted(encoder_held + decoder_owned)
+
+
+def run_checked(engine: Engine) -> dict[int, list[int]]:
+    """Steps to completion, checking the invariants after every step; tokens by request."""
+    tokens: dict[int, list[int]] = {}
+    while engine.has_unfinished():
+        for result in engine.step():
+            tokens[result.request_id] = result.token_ids
+        assert_blocks_conserved(engine)
+        check_state(engine.state.step_tensors(), engine.config.block_size)
+    return tokens
+
+
+# ---------------------------------------------------------------- config and state
+
+
+def test_config_derived_sizes() -> None:
+    config = EngineConfig(max_batch=3, max_model_len=32, block_size=4, num_kv_blocks=40,
+                          decoder_pool_ratio=0.25, enc_dec_block_num=1)
+    assert config.blocks_per_seq == 8 and config.max_dec_blocks == 8
+    assert (config.num_decoder_blocks, config.num_encoder_blocks) == (10, 30)
+    assert config.encoder_blocks_for(1) == 2
+    assert config.encoder_blocks_for(9) == 4
+    assert config.encoder_blocks_for(31) == 8  # capped at blocks_per_seq
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(max_batch=0), "max_batch: expected a positive int, got 0"),
+        (dict(max_model_len=30), "max_model_len: expected a multiple of block_size"),
+        (dict(num_kv_blocks=14), "decoder pool holds 7 blocks.*at least .* = 8"),
+        (dict(decoder_pool_ratio=1.0), "decoder_pool_ratio: expected a float in \\(0, 1\\)"),
+        (dict(enc_dec_block_num=-1), "enc_dec_block_num: expected an int >= 0"),
+        (dict(num_kv_blocks=20, decoder_pool_ratio=0.95), "encoder region holds 1 blocks"),
+    ],
+)
+def test_config_rejects(kwargs, message) -> None:
+    base = dict(max_batch=2, max_model_len=32, block_size=4, num_kv_blocks=64)
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**{**base, **kwargs})
+
+
+def test_share_inputs_start_empty_with_the_top_blocks_in_the_pool() -> None:
+    config = EngineConfig(max_batch=3, max_model_len=16, block_size=4, num_kv_blocks=10)
+    state = ShareInputs(config)
+    assert state.free_list.numpy().tolist() == [9, 8, 7, 6, 5]
+    assert state.free_list_len.numpy().tolist() == [5]
+    assert state.stop_flags.numpy().all() and not state.is_block_step.numpy().any()
+    assert (state.block_tables.numpy() == -1).all() and state.block_tables.shape == [3, 4]
+    assert (state.pre_ids.numpy() == -1).all() and state.input_ids.shape == [3, 16]
+    tensors = state.step_tensors()
+    assert len(tensors) == 22 and tensors["step_idx"].dtype == paddle.int64
+    check_state(tensors, config.block_size, decoder_blocks=range(5, 10))
+
+
+def test_allocator_hands_each_block_out_once() -> None:
+    allocator = EncoderBlockAllocator(5)
+    first = allocator.allocate(3)
+    assert first == [0, 1, 2]
+    assert allocator.allocate(3) is None and allocator.num_free == 2  # nothing taken
+    second = allocator.allocate(2)
+    assert set(first).isdisjoint(second) and allocator.num_free == 0
+    allocator.free(first[:2])
+    with pytest.raises(ValueError, match="not allocated: \\[0\\]"):
+        allocator.free([0])
+    with pytest.raises(ValueError, match="distinct allocated"):
+        allocator.free([2, 2])
+    assert sorted(allocator.allocate(2) + second + [2]) == [0, 1, 2, 3, 4]
+    assert allocator.allocated == frozenset(range(5))
+
+
+# ---------------------------------------------------------------- requests
+
+
+def test_add_request_rejects_requests_that_cannot_run(model: TinyLlama) -> None:
+    config = EngineConfig(max_batch=2, max_model_len=16, block_size=4, num_kv_blocks=10)
+    engine = Engine(model, config)
+    with pytest.raises(ValueError, match="expected at least one token"):
+        engine.add_request([], 4)
+    with pytest.raises(ValueError, match="expected ids in \\[0, 259\\), got \\[300\\]"):
+        engine.add_request([1, 300], 4)
+    with pytest.raises(ValueError, match="= 17, expected <= max_model_len \\(16\\)"):
+        engine.add_request([1] * 9, 8)
+    with pytest.raises(ValueError, match="max_new_tokens': expected an int >= 1, got 0"):
+        engine.add_request([1], 0)
+    with pytest.raises(ValueError, match="top_p': expected in \\(0, 1\\]"):
+        engine.add_request([1], 2, top_p=0.0)
+    small = Engine(model, EngineConfig(max_batch=2, max_model_len=32, block_size=4,
+                                       num_kv_blocks=20, decoder_pool_ratio=0.7))
+    with pytest.raises(ValueError, match="needs 7 encoder blocks, expected <= 6"):
+        small.add_request([1] * 21, 4)
+    assert engine.num_waiting == 0 and not engine.has_unfinished()
+
+
+def test_admission_waits_for_a_free_slot_and_reuses_it(model: TinyLlama) -> None:
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14, 15, 16, 17, 18]]
+    limits = [2, 7, 4]
+    config = EngineConfig(max_batch=2, max_model_len=16, block_size=4, num_kv_blocks=16)
+    engine = Engine(model, config)
+    ids = [engine.add_request(prompt, limit) for prompt, limit in zip(prompts, limits)]
+    assert ids == [0, 1, 2] and engine.num_waiting == 3
+
+    assert engine.step() == []  # prefill of requests 0 and 1; request 2 has no slot
+    assert (engine.num_active, engine.num_waiting) == (2, 1)
+    finished = engine.step()  # request 0 reaches its 2 tokens and leaves slot 0
+    assert [result.request_id for result in finished] == [0]
+    assert (engine.num_active, engine.num_waiting) == (1, 1)
+    assert (engine.state.block_tables.numpy()[0] == -1).all()
+
+    engine.step()  # request 2 takes the freed slot 0
+    assert (engine.num_active, engine.num_waiting) == (2, 0)
+    assert int(engine.state.ori_seq_lens_encoder.numpy()[0]) == len(prompts[2])
+    tokens = run_checked(engine)
+    tokens[0] = finished[0].token_ids
+    assert [tokens[i] for i in ids] == greedy_reference(model, prompts, limits)
+
+
+def test_admission_waits_for_encoder_blocks(model: TinyLlama) -> None:
+    # The encoder region (8 blocks) holds two 9..12-token prompts (3 + 1 blocks each), so
+    # the third request waits although slots are free.
+    prompts = [list(range(20, 30)), list(range(40, 49)), list(range(60, 72))]
+    config = EngineConfig(max_batch=4, max_model_len=32, block_size=4, num_kv_blocks=16)
+    assert config.num_encoder_blocks == 8
+    engine = Engine(model, config)
+    for prompt in prompts:
+        engine.add_request(prompt, 6)
+    engine.step()
+    assert (engine.num_active, engine.num_waiting) == (2, 1)
+    assert engine.encoder_blocks.num_free == 0
+    tokens = run_checked(engine)
+    assert [tokens[i] for i in range(3)] == greedy_reference(model, prompts, 6)
+
+
+def test_eos_and_length_stops(model: TinyLlama) -> None:
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    greedy = greedy_reference(model, [prompt], 12)[0]
+    eos = greedy[3]
+    first_eos = greedy.index(eos)
+    config = EngineConfig(max_batch=2, max_model_len=24, block_size=4, num_kv_blocks=24)
+    engine = Engine(model, config, check_state=True)
+    with_eos = engine.generate([prompt, prompt], 12, eos_token_id=eos)
+    for result in with_eos:
+        assert (result.finish_reason, result.token_ids) == ("eos", greedy[: first_eos + 1])
+
+    without_eos = engine.generate([prompt], 12)[0]  # no tokenizer: no default eos
+    assert (without_eos.finish_reason, without_eos.token_ids) == ("length", greedy)
+    assert without_eos.prompt_ids == prompt
+
+    at_model_len = engine.generate([prompt], 24 - len(prompt))[0]
+    assert at_model_len.finish_reason == "length" and len(at_model_len.token_ids) == 16
+
+
+def test_state_is_released_when_everything_finishes(model: TinyLlama) -> None:
+    config = EngineConfig(max_batch=3, max_model_len=24, block_size=4, num_kv_blocks=24)
+    engine = Engine(model, config)
+    engine.generate([[1, 2, 3], [4] * 10, [7, 8]], [9, 3, 14])
+    state = engine.state
+    assert engine.encoder_blocks.num_free == config.num_encoder_blocks
+    assert int(state.free_list_len.numpy()[0]) == config.num_decoder_blocks
+    assert sorted(state.free_list.numpy().tolist()) == list(range(12, 24))
+    assert (state.block_tables.numpy() == -1).all()
+    assert state.stop_flags.numpy().all() and not state.decode_active.numpy().any()
+    assert engine.stats.generated_tokens == 26 and engine.stats.steps >= 14
+
+
+def test_invariants_hold_every_step_under_preemption(model: TinyLlama) -> None:
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 256, int(rng.integers(1, 12))).tolist() for _ in range(10)]
+    limits = [int(rng.integers(8, 20)) for _ in prompts]
+    # Pool of 8 blocks = one full sequence; 6 slots decoding at once must share it.
+    config = EngineConfig(max_batch=6, max_model_len=32, block_size=4, num_kv_blocks=40,
+                          decoder_pool_ratio=0.2)
+    engine = Engine(model, config, check_state=True)
+    for prompt, limit in zip(prompts, limits):
+        engine.add_request(prompt, limit)
+    tokens = run_checked(engine)
+    assert engine.stats.preemptions > 0 and engine.stats.recoveries > 0
+    assert engine.stats.preemptions == engine.stats.recoveries
+    assert engine.stats.peak_blocks_in_use <= config.num_kv_blocks
+    assert [tokens[i] for i in range(len(prompts))] == greedy_reference(model, prompts, limits)
+
+
+def test_no_progress_raises_instead_of_looping(model: TinyLlama) -> None:
+    config = EngineConfig(max_batch=2, max_model_len=16, block_size=4, num_kv_blocks=16)
+    engine = Engine(model, config)
+    leaked = engine.encoder_blocks.allocate(config.num_encoder_blocks)  # simulate a leak
+    assert leaked is not None
+    engine.add_request([1, 2, 3], 4)
+    with pytest.raises(RuntimeError, match="no progress.*1 request\\(s\\) waiting.*0 of 8 free"):
+        engine.step()
+
+
+def test_sampler_greedy_and_nucleus() -> None:
+    logits = paddle.to_tensor([[0.0, 3.0, 1.0, 2.9], [5.0, 0.0, 0.0, 0.0]], dtype="float64")
+    greedy = paddle.zeros([2], dtype="float32")
+    assert sample_tokens(logits, greedy, paddle.ones([2]), None).tolist() == [1, 0]
+    hot = paddle.full([2], 1.0, dtype="float32")
+    # A tiny nucleus keeps only the most likely token, whatever the draw.
+    tiny = paddle.full([2], 1e-6, dtype="float32")
+    for draw in (0.0, 0.5, 0.999999):
+        uniforms = paddle.full([2], draw, dtype="float64")
+        assert sample_tokens(logits, hot, tiny, uniforms).tolist() == [1, 0]
+    # Without a cut, draws walk the tokens in order of probability: 1, 3, 2, 0.
+    probs = paddle.nn.functional.softmax(logits[:1], axis=-1).numpy()[0]
+    edges = np.cumsum(probs[[1, 3, 2, 0]])
+    for draw, expected in zip((0.0, edges[0] + 1e-9, edges[1] + 1e-9, 0.999999), (1, 3, 2, 0)):
+        uniforms = paddle.full([1], draw, dtype="float64")
+        token = sample_tokens(logits[:1], hot[:1], paddle.ones([1]), uniforms)
+        assert token.tolist() == [expected]
