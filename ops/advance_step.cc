@@ -1,7 +1,6 @@
 // advance_step: validation, CPU kernel, place dispatch and registration.
 // The kernel itself is ops/include/advance_step_kernel.h.
 #include <string>
-#include <vector>
 
 #include "advance_step_kernel.h"
 #include "input_checks.h"
@@ -14,48 +13,16 @@
 namespace paddle_step {
 namespace {
 
-// Order of the tensor arguments, as in the op's Inputs.
+constexpr InputChecker kCheck("advance_step");
+
+// The tensor arguments, in the op's input order.
 enum AdvanceStepInput {
   kInputTokens, kSampledTokenIds, kInputPositions, kSeqLens, kSlotMapping,
-  kBlockTables, kActive
+  kBlockTables, kActive, kAdvanceStepInputCount
 };
-
-const InputChecker kCheck("advance_step");
-
-// Shapes and the scalar arguments. `specs` has kActive only when given.
-void CheckAdvanceStepShapes(const std::vector<TensorSpec>& specs,
-                            int64_t num_seqs, int64_t num_queries,
-                            int64_t block_size) {
-  kCheck.Positive("num_seqs", num_seqs);
-  kCheck.Positive("num_queries", num_queries);
-  if (num_queries > num_seqs) {
-    kCheck.Fail("num_queries",
-                "at most num_seqs (" + std::to_string(num_seqs) + ")",
-                std::to_string(num_queries));
-  }
-  kCheck.Positive("block_size", block_size);
-  kCheck.Shape(specs[kInputTokens], {num_seqs});
-  kCheck.BatchVector(specs[kSampledTokenIds], num_queries);
-  kCheck.Shape(specs[kInputPositions], {num_seqs});
-  kCheck.Shape(specs[kSeqLens], {num_seqs});
-  kCheck.Shape(specs[kSlotMapping], {num_seqs});
-  kCheck.Shape(specs[kBlockTables], {num_seqs, -1});
-  if (specs.size() > kActive) kCheck.Shape(specs[kActive], {num_seqs});
-}
-
-void CheckAdvanceStepDtypes(const std::vector<TensorSpec>& specs) {
-  const auto int64 = paddle::DataType::INT64;
-  const auto int32 = paddle::DataType::INT32;
-  kCheck.Dtype(specs[kInputTokens], {int64});
-  kCheck.Dtype(specs[kSampledTokenIds], {int64});
-  kCheck.Dtype(specs[kInputPositions], {int64});
-  kCheck.Dtype(specs[kSeqLens], {int32, int64});
-  kCheck.Dtype(specs[kSlotMapping], {int64});
-  kCheck.Dtype(specs[kBlockTables], {int32, int64});
-  if (specs.size() > kActive) {
-    kCheck.Dtype(specs[kActive], {paddle::DataType::BOOL});
-  }
-}
+constexpr const char* kNames[kAdvanceStepInputCount] = {
+    "input_tokens", "sampled_token_ids", "input_positions", "seq_lens",
+    "slot_mapping", "block_tables", "active"};
 
 template <typename SeqLenT, typename BlockT>
 void RunAdvanceStep(const paddle::Tensor& input_tokens,
@@ -79,7 +46,7 @@ void RunAdvanceStep(const paddle::Tensor& input_tokens,
   params.active = active ? active->data<bool>() : nullptr;
   params.num_seqs = num_seqs;
   params.num_queries = num_queries;
-  params.blocks_per_seq = block_tables.shape()[1];
+  params.blocks_per_seq = block_tables.dims()[1];
   params.block_size = block_size;
 
   if (input_tokens.is_cpu()) {
@@ -98,11 +65,38 @@ void RunAdvanceStep(const paddle::Tensor& input_tokens,
 
 }  // namespace
 
-void CheckAdvanceStepSpecs(const std::vector<TensorSpec>& specs,
+void CheckAdvanceStepViews(const TensorView* views, int count,
                            int64_t num_seqs, int64_t num_queries,
                            int64_t block_size) {
-  CheckAdvanceStepDtypes(specs);
-  CheckAdvanceStepShapes(specs, num_seqs, num_queries, block_size);
+  const auto int64 = paddle::DataType::INT64;
+  const auto int32 = paddle::DataType::INT32;
+  const bool has_active = count > kActive;
+  kCheck.Dtype(kNames[kInputTokens], views[kInputTokens], {int64});
+  kCheck.Dtype(kNames[kSampledTokenIds], views[kSampledTokenIds], {int64});
+  kCheck.Dtype(kNames[kInputPositions], views[kInputPositions], {int64});
+  kCheck.Dtype(kNames[kSeqLens], views[kSeqLens], {int32, int64});
+  kCheck.Dtype(kNames[kSlotMapping], views[kSlotMapping], {int64});
+  kCheck.Dtype(kNames[kBlockTables], views[kBlockTables], {int32, int64});
+  if (has_active) {
+    kCheck.Dtype(kNames[kActive], views[kActive], {paddle::DataType::BOOL});
+  }
+
+  kCheck.Positive("num_seqs", num_seqs);
+  kCheck.Positive("num_queries", num_queries);
+  if (num_queries > num_seqs) {
+    kCheck.Fail("num_queries",
+                "at most num_seqs (" + std::to_string(num_seqs) + ")",
+                std::to_string(num_queries));
+  }
+  kCheck.Positive("block_size", block_size);
+  kCheck.Shape(kNames[kInputTokens], views[kInputTokens], {num_seqs});
+  kCheck.BatchVector(kNames[kSampledTokenIds], views[kSampledTokenIds],
+                     num_queries);
+  kCheck.Shape(kNames[kInputPositions], views[kInputPositions], {num_seqs});
+  kCheck.Shape(kNames[kSeqLens], views[kSeqLens], {num_seqs});
+  kCheck.Shape(kNames[kSlotMapping], views[kSlotMapping], {num_seqs});
+  kCheck.Shape(kNames[kBlockTables], views[kBlockTables], {num_seqs, -1});
+  if (has_active) kCheck.Shape(kNames[kActive], views[kActive], {num_seqs});
 }
 
 void AdvanceStep(const paddle::Tensor& input_tokens,
@@ -113,20 +107,14 @@ void AdvanceStep(const paddle::Tensor& input_tokens,
                  const paddle::Tensor& block_tables,
                  const paddle::optional<paddle::Tensor>& active,
                  int64_t num_seqs, int64_t num_queries, int64_t block_size) {
-  std::vector<NamedTensor> tensors = {
-      {"input_tokens", &input_tokens},
-      {"sampled_token_ids", &sampled_token_ids},
-      {"input_positions", &input_positions},
-      {"seq_lens", &seq_lens},
-      {"slot_mapping", &slot_mapping},
-      {"block_tables", &block_tables}};
-  if (active) tensors.push_back({"active", active.get_ptr()});
-  std::vector<TensorSpec> specs;
-  for (const NamedTensor& tensor : tensors) {
-    specs.push_back(SpecOf(tensor.first, *tensor.second));
-  }
-  CheckAdvanceStepSpecs(specs, num_seqs, num_queries, block_size);
-  kCheck.SamePlace(tensors);
+  const paddle::Tensor* tensors[kAdvanceStepInputCount] = {
+      &input_tokens, &sampled_token_ids, &input_positions, &seq_lens,
+      &slot_mapping, &block_tables, active ? active.get_ptr() : nullptr};
+  const int count = active ? kAdvanceStepInputCount : kActive;
+  TensorView views[kAdvanceStepInputCount];
+  for (int i = 0; i < count; ++i) views[i] = ViewOf(*tensors[i]);
+  CheckAdvanceStepViews(views, count, num_seqs, num_queries, block_size);
+  kCheck.SamePlace(kNames, tensors, count);
 
   const bool seq_lens_int64 = seq_lens.dtype() == paddle::DataType::INT64;
   const bool tables_int64 = block_tables.dtype() == paddle::DataType::INT64;

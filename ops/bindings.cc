@@ -6,7 +6,7 @@
 // generated loader imports the library as a Python extension module of that
 // name, which is what exposes these functions.
 #include <string>
-#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "paddle/utils/pybind.h"
@@ -14,18 +14,17 @@
 
 namespace {
 
-// (name, dtype name, shape) as the Python wrapper describes a variable.
-using SpecTuple = std::tuple<std::string, std::string, std::vector<int64_t>>;
+// (dtype name, shape) per argument, as the Python wrapper describes its
+// static-mode variables, in the op's input order.
+using Described = std::vector<std::pair<std::string, std::vector<int64_t>>>;
 
-std::vector<paddle_step::TensorSpec> ToSpecs(
-    const std::vector<SpecTuple>& described) {
-  std::vector<paddle_step::TensorSpec> specs;
-  for (const SpecTuple& spec : described) {
-    specs.push_back({std::get<0>(spec),
-                     paddle_step::DataTypeFromName(std::get<1>(spec)),
-                     std::get<2>(spec)});
+std::vector<paddle_step::TensorView> ToViews(const Described& described) {
+  std::vector<paddle_step::TensorView> views;
+  for (const auto& [dtype, shape] : described) {
+    views.push_back({paddle_step::DataTypeFromName(dtype), shape.data(),
+                     static_cast<int64_t>(shape.size())});
   }
-  return specs;
+  return views;
 }
 
 }  // namespace
@@ -56,13 +55,21 @@ PYBIND11_MODULE(paddle_step_ops, module) {
       pybind11::arg("num_queries"), pybind11::arg("block_size"));
   module.def("step_paddle", &paddle_step::StepPaddle);
   module.def("check_advance_step",
-             [](const std::vector<SpecTuple>& specs, int64_t num_seqs,
+             [](const Described& described, int64_t num_seqs,
                 int64_t num_queries, int64_t block_size) {
-               paddle_step::CheckAdvanceStepSpecs(ToSpecs(specs), num_seqs,
-                                                  num_queries, block_size);
+               const auto views = ToViews(described);
+               paddle_step::CheckAdvanceStepViews(
+                   views.data(), static_cast<int>(views.size()), num_seqs,
+                   num_queries, block_size);
              });
   module.def("check_step_paddle",
-             [](const std::vector<SpecTuple>& specs, int64_t block_size) {
-               paddle_step::CheckStepPaddleSpecs(ToSpecs(specs), block_size);
+             [](const Described& described, int64_t block_size) {
+               const auto views = ToViews(described);
+               if (views.size() != paddle_step::kStepPaddleInputCount) {
+                 throw std::invalid_argument(
+                     "check_step_paddle: expected 22 tensors, got " +
+                     std::to_string(views.size()));
+               }
+               paddle_step::CheckStepPaddleViews(views.data(), block_size);
              });
 }

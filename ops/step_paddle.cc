@@ -2,7 +2,6 @@
 // The kernel itself is ops/include/step_paddle_kernel.h (CPU) and
 // ops/gpu/step_paddle.cu (CUDA).
 #include <string>
-#include <vector>
 
 #include "input_checks.h"
 #include "paddle_step_ops.h"
@@ -22,58 +21,79 @@ T* Mutable(const paddle::Tensor& tensor) {
   return const_cast<T*>(tensor.data<T>());
 }
 
-const InputChecker kCheck("step_paddle");
+constexpr InputChecker kCheck("step_paddle");
 
-bool NameIs(const TensorSpec& spec, std::initializer_list<const char*> names) {
-  for (const char* name : names) {
-    if (spec.name == name) return true;
-  }
-  return false;
-}
-
-// `specs` in the op's input order; B is stop_flags' first dimension.
-void CheckStepPaddleShapes(const std::vector<TensorSpec>& specs,
-                           int64_t block_size) {
-  kCheck.Positive("block_size", block_size);
-  if (specs[0].shape.empty()) {
-    kCheck.Fail("stop_flags", "shape [B] or [B, 1]", "a scalar");
-  }
-  const int64_t batch = specs[0].shape[0];
-  for (const TensorSpec& spec : specs) {
-    if (NameIs(spec, {"block_tables", "input_ids", "pre_ids"})) {
-      kCheck.Shape(spec, {batch, -1});
-    } else if (NameIs(spec, {"free_list"})) {
-      kCheck.Shape(spec, {-1});
-    } else if (NameIs(spec, {"is_block_step"})) {
-      kCheck.Shape(spec, {batch});
-    } else if (NameIs(spec, {"step_lens", "recover_lens", "need_block_len",
-                             "free_list_len"})) {
-      kCheck.Shape(spec, {1});
-    } else {
-      kCheck.BatchVector(spec, batch);
-    }
-  }
-}
-
-void CheckStepPaddleDtypes(const std::vector<TensorSpec>& specs) {
-  for (const TensorSpec& spec : specs) {
-    if (NameIs(spec, {"stop_flags", "is_block_step"})) {
-      kCheck.Dtype(spec, {paddle::DataType::BOOL});
-    } else if (NameIs(spec, {"input_ids", "pre_ids", "step_idx", "next_tokens",
-                             "first_token_ids"})) {
-      kCheck.Dtype(spec, {paddle::DataType::INT64});
-    } else {
-      kCheck.Dtype(spec, {paddle::DataType::INT32});
-    }
-  }
-}
+// What each argument must be, in the op's input order.
+enum class Kind {
+  kBatchVector,  // [B] or [B, 1]
+  kBatchOnly,    // [B]
+  kBatchRows,    // [B, any]
+  kList,         // [any]
+  kCounter,      // [1]
+};
+struct Argument {
+  const char* name;
+  paddle::DataType dtype;
+  Kind kind;
+};
+constexpr auto kBool = paddle::DataType::BOOL;
+constexpr auto kInt32 = paddle::DataType::INT32;
+constexpr auto kInt64 = paddle::DataType::INT64;
+constexpr Argument kArguments[kStepPaddleInputCount] = {
+    {"stop_flags", kBool, Kind::kBatchVector},
+    {"seq_lens_this_time", kInt32, Kind::kBatchVector},
+    {"ori_seq_lens_encoder", kInt32, Kind::kBatchVector},
+    {"seq_lens_encoder", kInt32, Kind::kBatchVector},
+    {"seq_lens_decoder", kInt32, Kind::kBatchVector},
+    {"block_tables", kInt32, Kind::kBatchRows},
+    {"encoder_block_lens", kInt32, Kind::kBatchVector},
+    {"is_block_step", kBool, Kind::kBatchOnly},
+    {"step_block_list", kInt32, Kind::kBatchVector},
+    {"step_lens", kInt32, Kind::kCounter},
+    {"recover_block_list", kInt32, Kind::kBatchVector},
+    {"recover_lens", kInt32, Kind::kCounter},
+    {"need_block_list", kInt32, Kind::kBatchVector},
+    {"need_block_len", kInt32, Kind::kCounter},
+    {"used_list_len", kInt32, Kind::kBatchVector},
+    {"free_list", kInt32, Kind::kList},
+    {"free_list_len", kInt32, Kind::kCounter},
+    {"input_ids", kInt64, Kind::kBatchRows},
+    {"pre_ids", kInt64, Kind::kBatchRows},
+    {"step_idx", kInt64, Kind::kBatchVector},
+    {"next_tokens", kInt64, Kind::kBatchVector},
+    {"first_token_ids", kInt64, Kind::kBatchVector}};
 
 }  // namespace
 
-void CheckStepPaddleSpecs(const std::vector<TensorSpec>& specs,
-                          int64_t block_size) {
-  CheckStepPaddleDtypes(specs);
-  CheckStepPaddleShapes(specs, block_size);
+void CheckStepPaddleViews(const TensorView* views, int64_t block_size) {
+  for (int i = 0; i < kStepPaddleInputCount; ++i) {
+    kCheck.Dtype(kArguments[i].name, views[i], {kArguments[i].dtype});
+  }
+  kCheck.Positive("block_size", block_size);
+  if (views[0].rank == 0) {
+    kCheck.Fail("stop_flags", "shape [B] or [B, 1]", "a scalar");
+  }
+  const int64_t batch = views[0].dims[0];
+  for (int i = 0; i < kStepPaddleInputCount; ++i) {
+    const char* name = kArguments[i].name;
+    switch (kArguments[i].kind) {
+      case Kind::kBatchVector:
+        kCheck.BatchVector(name, views[i], batch);
+        break;
+      case Kind::kBatchOnly:
+        kCheck.Shape(name, views[i], {batch});
+        break;
+      case Kind::kBatchRows:
+        kCheck.Shape(name, views[i], {batch, -1});
+        break;
+      case Kind::kList:
+        kCheck.Shape(name, views[i], {-1});
+        break;
+      case Kind::kCounter:
+        kCheck.Shape(name, views[i], {1});
+        break;
+    }
+  }
 }
 
 void StepPaddle(const paddle::Tensor& stop_flags,
@@ -99,36 +119,24 @@ void StepPaddle(const paddle::Tensor& stop_flags,
                 const paddle::Tensor& next_tokens,
                 const paddle::Tensor& first_token_ids, int64_t block_size,
                 int64_t /*encoder_decoder_block_num: FastDeploy compat*/) {
-  const std::vector<NamedTensor> tensors = {
-      {"stop_flags", &stop_flags},
-      {"seq_lens_this_time", &seq_lens_this_time},
-      {"ori_seq_lens_encoder", &ori_seq_lens_encoder},
-      {"seq_lens_encoder", &seq_lens_encoder},
-      {"seq_lens_decoder", &seq_lens_decoder},
-      {"block_tables", &block_tables},
-      {"encoder_block_lens", &encoder_block_lens},
-      {"is_block_step", &is_block_step},
-      {"step_block_list", &step_block_list},
-      {"step_lens", &step_lens},
-      {"recover_block_list", &recover_block_list},
-      {"recover_lens", &recover_lens},
-      {"need_block_list", &need_block_list},
-      {"need_block_len", &need_block_len},
-      {"used_list_len", &used_list_len},
-      {"free_list", &free_list},
-      {"free_list_len", &free_list_len},
-      {"input_ids", &input_ids},
-      {"pre_ids", &pre_ids},
-      {"step_idx", &step_idx},
-      {"next_tokens", &next_tokens},
-      {"first_token_ids", &first_token_ids}};
-  std::vector<TensorSpec> specs;
-  for (const NamedTensor& tensor : tensors) {
-    specs.push_back(SpecOf(tensor.first, *tensor.second));
+  const paddle::Tensor* tensors[kStepPaddleInputCount] = {
+      &stop_flags,         &seq_lens_this_time, &ori_seq_lens_encoder,
+      &seq_lens_encoder,   &seq_lens_decoder,   &block_tables,
+      &encoder_block_lens, &is_block_step,      &step_block_list,
+      &step_lens,          &recover_block_list, &recover_lens,
+      &need_block_list,    &need_block_len,     &used_list_len,
+      &free_list,          &free_list_len,      &input_ids,
+      &pre_ids,            &step_idx,           &next_tokens,
+      &first_token_ids};
+  TensorView views[kStepPaddleInputCount];
+  const char* names[kStepPaddleInputCount];
+  for (int i = 0; i < kStepPaddleInputCount; ++i) {
+    views[i] = ViewOf(*tensors[i]);
+    names[i] = kArguments[i].name;
   }
-  CheckStepPaddleSpecs(specs, block_size);
-  kCheck.SamePlace(tensors);
-  const int64_t batch = stop_flags.shape()[0];
+  CheckStepPaddleViews(views, block_size);
+  kCheck.SamePlace(names, tensors, kStepPaddleInputCount);
+  const int64_t batch = views[0].dims[0];
 
   StepPaddleParams params;
   params.stop_flags = Mutable<bool>(stop_flags);
@@ -154,10 +162,10 @@ void StepPaddle(const paddle::Tensor& stop_flags,
   params.next_tokens = next_tokens.data<int64_t>();
   params.first_token_ids = Mutable<int64_t>(first_token_ids);
   params.batch_size = batch;
-  params.blocks_per_seq = block_tables.shape()[1];
-  params.free_list_capacity = free_list.shape()[0];
-  params.input_ids_len = input_ids.shape()[1];
-  params.pre_ids_len = pre_ids.shape()[1];
+  params.blocks_per_seq = block_tables.dims()[1];
+  params.free_list_capacity = free_list.dims()[0];
+  params.input_ids_len = input_ids.dims()[1];
+  params.pre_ids_len = pre_ids.dims()[1];
   params.block_size = block_size;
   params.max_dec_blocks = params.input_ids_len / block_size;
 

@@ -1,7 +1,7 @@
 // Input validation shared by the ops. Every failure throws
 // std::invalid_argument (a ValueError in Python) whose message names the op,
 // the argument, what was expected and what came, before any tensor is
-// written.
+// written. Nothing here allocates unless a check fails: it runs on every call.
 #pragma once
 
 #include <cstdint>
@@ -9,31 +9,32 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
-#include <utility>
-#include <vector>
 
 #include "paddle/extension.h"
 
 namespace paddle_step {
 
-// What validation sees of a tensor: enough to check a real tensor and a
-// static-mode variable while its program is built, where a dimension may
-// still be unknown (-1).
-struct TensorSpec {
-  std::string name;
+// What validation sees of a tensor: its dtype and a view of its dims. Enough
+// to check a real tensor and a static-mode variable while its program is
+// built, where a dimension may still be unknown (-1).
+struct TensorView {
   paddle::DataType dtype;
-  std::vector<int64_t> shape;
+  const int64_t* dims;
+  int64_t rank;
 };
 
-inline TensorSpec SpecOf(const char* name, const paddle::Tensor& tensor) {
-  return {name, tensor.dtype(), tensor.shape()};
+inline TensorView ViewOf(const paddle::Tensor& tensor) {
+  const auto& dims = tensor.dims();
+  return {tensor.dtype(), dims.Get(), dims.size()};
 }
 
 // The dtype named as Python prints it ("int32", "paddle.int32"); UNDEFINED
 // for a name not listed, which every dtype check then rejects.
 inline paddle::DataType DataTypeFromName(std::string name) {
   const std::string prefix = "paddle.";
-  if (name.compare(0, prefix.size(), prefix) == 0) name = name.substr(prefix.size());
+  if (name.compare(0, prefix.size(), prefix) == 0) {
+    name = name.substr(prefix.size());
+  }
   for (paddle::DataType dtype :
        {paddle::DataType::BOOL, paddle::DataType::INT8, paddle::DataType::UINT8,
         paddle::DataType::INT16, paddle::DataType::INT32,
@@ -45,16 +46,16 @@ inline paddle::DataType DataTypeFromName(std::string name) {
   return paddle::DataType::UNDEFINED;
 }
 
-using NamedTensor = std::pair<const char*, const paddle::Tensor*>;
-
-inline std::string ShapeString(const std::vector<int64_t>& shape) {
+inline std::string ShapeString(const int64_t* dims, int64_t rank) {
   std::ostringstream text;
   text << "[";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    text << (i ? ", " : "") << shape[i];
-  }
+  for (int64_t i = 0; i < rank; ++i) text << (i ? ", " : "") << dims[i];
   text << "]";
   return text.str();
+}
+
+inline std::string ShapeString(std::initializer_list<int64_t> dims) {
+  return ShapeString(dims.begin(), static_cast<int64_t>(dims.size()));
 }
 
 inline std::string PlaceString(const paddle::Tensor& tensor) {
@@ -77,52 +78,55 @@ void RethrowForPaddle(Body&& body) {
 
 class InputChecker {
  public:
-  explicit InputChecker(const char* op_name) : op_name_(op_name) {}
+  explicit constexpr InputChecker(const char* op_name) : op_name_(op_name) {}
 
   [[noreturn]] void Fail(const std::string& argument,
                          const std::string& expected,
                          const std::string& received) const {
-    throw std::invalid_argument("paddle_step." + op_name_ + ": argument '" +
-                                argument + "': expected " + expected +
-                                ", got " + received);
+    throw std::invalid_argument(std::string("paddle_step.") + op_name_ +
+                                ": argument '" + argument + "': expected " +
+                                expected + ", got " + received);
   }
 
-  void Dtype(const TensorSpec& tensor,
+  void Dtype(const char* name, const TensorView& tensor,
              std::initializer_list<paddle::DataType> allowed) const {
-    const paddle::DataType dtype = tensor.dtype;
+    for (paddle::DataType candidate : allowed) {
+      if (candidate == tensor.dtype) return;
+    }
     std::string expected;
     for (paddle::DataType candidate : allowed) {
-      if (candidate == dtype) return;
       expected += (expected.empty() ? "dtype " : " or ") +
                   phi::DataTypeToString(candidate);
     }
-    Fail(tensor.name, expected, "dtype " + phi::DataTypeToString(dtype));
+    Fail(name, expected, "dtype " + phi::DataTypeToString(tensor.dtype));
   }
 
   // Exact shape; -1 in `expected` accepts any size in that dimension, and a
   // dimension not known yet (-1, at program-build time) is accepted.
-  void Shape(const TensorSpec& tensor,
-             const std::vector<int64_t>& expected) const {
-    if (!Matches(tensor.shape, expected)) {
-      Fail(tensor.name, "shape " + ShapeString(expected),
-           "shape " + ShapeString(tensor.shape));
+  void Shape(const char* name, const TensorView& tensor,
+             std::initializer_list<int64_t> expected) const {
+    if (!Matches(tensor, expected)) {
+      Fail(name, "shape " + ShapeString(expected),
+           "shape " + ShapeString(tensor.dims, tensor.rank));
     }
   }
 
   // A per-sequence vector: [batch] or [batch, 1].
-  void BatchVector(const TensorSpec& tensor, int64_t batch) const {
-    if (!Matches(tensor.shape, {batch}) && !Matches(tensor.shape, {batch, 1})) {
-      Fail(tensor.name,
+  void BatchVector(const char* name, const TensorView& tensor,
+                   int64_t batch) const {
+    if (!Matches(tensor, {batch}) && !Matches(tensor, {batch, 1})) {
+      Fail(name,
            "shape [" + std::to_string(batch) + "] or [" +
                std::to_string(batch) + ", 1]",
-           "shape " + ShapeString(tensor.shape));
+           "shape " + ShapeString(tensor.dims, tensor.rank));
     }
   }
 
-  // All tensors on the place of the first one, and that place is CPU or
+  // All `count` tensors on the place of the first, and that place is CPU or
   // (in a CUDA build) GPU.
-  void SamePlace(const std::vector<NamedTensor>& tensors) const {
-    const paddle::Tensor& first = *tensors.front().second;
+  void SamePlace(const char* const* names, const paddle::Tensor* const* tensors,
+                 int count) const {
+    const paddle::Tensor& first = *tensors[0];
 #ifdef PADDLE_STEP_WITH_CUDA
     const bool supported = first.is_cpu() || first.is_gpu();
     const char* supported_places = "a CPU or GPU tensor";
@@ -132,15 +136,15 @@ class InputChecker {
         "a CPU tensor (this build has no CUDA kernels)";
 #endif
     if (!supported) {
-      Fail(tensors.front().first, supported_places,
-           "a tensor on " + PlaceString(first));
+      Fail(names[0], supported_places, "a tensor on " + PlaceString(first));
     }
-    for (const NamedTensor& tensor : tensors) {
-      if (tensor.second->place() != first.place()) {
-        Fail(tensor.first,
-             std::string("a tensor on ") + PlaceString(first) + " (like '" +
-                 tensors.front().first + "')",
-             "a tensor on " + PlaceString(*tensor.second));
+    const phi::Place place = first.place();
+    for (int i = 1; i < count; ++i) {
+      if (tensors[i]->place() != place) {
+        Fail(names[i],
+             "a tensor on " + PlaceString(first) + " (like '" + names[0] +
+                 "')",
+             "a tensor on " + PlaceString(*tensors[i]));
       }
     }
   }
@@ -152,18 +156,18 @@ class InputChecker {
   }
 
  private:
-  static bool Matches(const std::vector<int64_t>& shape,
-                      const std::vector<int64_t>& expected) {
-    if (shape.size() != expected.size()) return false;
-    for (size_t i = 0; i < shape.size(); ++i) {
-      if (expected[i] >= 0 && shape[i] >= 0 && expected[i] != shape[i]) {
-        return false;
-      }
+  static bool Matches(const TensorView& tensor,
+                      std::initializer_list<int64_t> expected) {
+    if (tensor.rank != static_cast<int64_t>(expected.size())) return false;
+    const int64_t* dim = tensor.dims;
+    for (int64_t want : expected) {
+      if (want >= 0 && *dim >= 0 && want != *dim) return false;
+      ++dim;
     }
     return true;
   }
 
-  std::string op_name_;
+  const char* op_name_;
 };
 
 }  // namespace paddle_step

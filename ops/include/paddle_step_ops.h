@@ -5,23 +5,22 @@
 
 #include <cstdint>
 
-#include <vector>
-
 #include "input_checks.h"
 #include "paddle/extension.h"
 
 namespace paddle_step {
 
-// The dtype and shape checks alone, on descriptions of the tensors in the
-// op's input order (advance_step: `active` last, only when given). Static
-// mode runs them from Python while the program is built: an exception thrown
-// by a kernel inside Paddle's program executor aborts the process instead of
-// reaching Python.
-void CheckAdvanceStepSpecs(const std::vector<TensorSpec>& specs,
+constexpr int kStepPaddleInputCount = 22;
+
+// The dtype and shape checks alone, on views of the tensors in the op's
+// input order (advance_step: 6, or 7 with `active`). Static mode runs them
+// from Python while the program is built: an exception thrown by a kernel
+// inside Paddle's program executor aborts the process instead of reaching
+// Python.
+void CheckAdvanceStepViews(const TensorView* views, int count,
                            int64_t num_seqs, int64_t num_queries,
                            int64_t block_size);
-void CheckStepPaddleSpecs(const std::vector<TensorSpec>& specs,
-                          int64_t block_size);
+void CheckStepPaddleViews(const TensorView* views, int64_t block_size);
 
 void AdvanceStep(const paddle::Tensor& input_tokens,
                  const paddle::Tensor& sampled_token_ids,
