@@ -16,7 +16,10 @@
 //  - input_ids / pre_ids positions outside their rows are skipped.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <functional>
+#include <vector>
 
 #include "host_device.h"
 
@@ -286,6 +289,53 @@ PADDLE_STEP_HOST_DEVICE void RebuildRecovered(const StepPaddleParams& p,
 
 // ---- The CPU kernel: the phases in order, one slot at a time. ------------
 
+// Phase 2 on the CPU. Preempting a sequence changes only that sequence, so
+// the victims the CUDA kernel finds one block-wide argmax at a time come in
+// an order fixed before the first: holders below max_dec_blocks by most
+// blocks, then lowest slot; then the full holders by slot; then (shortfall)
+// the needy slots from the highest down. Sorting once gives the same victims
+// in O(B log B) instead of O(victims x B).
+inline void PreemptCpu(const StepPaddleParams& p, int64_t needy_total,
+                       int64_t* needy_count, int64_t* pool_len,
+                       int64_t* step_len) {
+  constexpr uint64_t kBelowFullBlocks = uint64_t{1} << 63;
+  std::vector<uint64_t> victim_keys;
+  std::vector<int64_t> needy_index(p.batch_size, -1);
+  for (int64_t slot = 0; slot < p.batch_size; ++slot) {
+    const uint64_t below_full = VictimKey(p, slot, false);
+    const uint64_t any_holder = VictimKey(p, slot, true);
+    if (below_full != 0) {
+      victim_keys.push_back(below_full | kBelowFullBlocks);
+    } else if (any_holder != 0) {
+      victim_keys.push_back(any_holder);
+    }
+  }
+  std::sort(victim_keys.begin(), victim_keys.end(), std::greater<uint64_t>());
+  for (int64_t index = 0; index < needy_total; ++index) {
+    needy_index[p.need_block_list[index]] = index;
+  }
+
+  size_t next_key = 0;
+  int64_t highest_needy = needy_total - 1;
+  while (*needy_count > *pool_len) {
+    int64_t victim;
+    if (next_key < victim_keys.size()) {
+      victim = SlotOfVictimKey(victim_keys[next_key++] & ~kBelowFullBlocks);
+    } else {  // shortfall: nobody holds a block, the highest needy slot goes
+      while (p.need_block_list[highest_needy] < 0) --highest_needy;
+      victim = p.need_block_list[highest_needy];
+    }
+    const int64_t index = needy_index[victim];
+    if (index >= 0) {
+      p.need_block_list[index] = -1;
+      needy_index[victim] = -1;
+      --*needy_count;
+    }
+    *pool_len = PreemptSlot(p, victim, *pool_len, step_len);
+  }
+}
+
+
 inline void StepPaddleCpu(const StepPaddleParams& p) {
   const int64_t batch = p.batch_size;
   int64_t pool_len = ClampIndex(*p.free_list_len, p.free_list_capacity);
@@ -308,32 +358,8 @@ inline void StepPaddleCpu(const StepPaddleParams& p) {
 
   // Phase 2. Preempted entries of the needy list become -1.
   int64_t needy_count = needy_total;
-  bool include_full_holders = false;
-  while (needy_count > pool_len) {
-    uint64_t best_key = 0;
-    for (int64_t slot = 0; slot < batch; ++slot) {
-      const uint64_t key = VictimKey(p, slot, include_full_holders);
-      if (key > best_key) best_key = key;
-    }
-    if (best_key == 0 && !include_full_holders) {
-      include_full_holders = true;
-      continue;
-    }
-    int64_t victim;
-    if (best_key != 0) {
-      victim = SlotOfVictimKey(best_key);
-    } else {  // shortfall: nobody holds a block, the highest needy slot goes
-      int64_t index = needy_total - 1;
-      while (p.need_block_list[index] < 0) --index;
-      victim = p.need_block_list[index];
-    }
-    for (int64_t index = 0; index < needy_total; ++index) {
-      if (p.need_block_list[index] == victim) {
-        p.need_block_list[index] = -1;
-        --needy_count;
-      }
-    }
-    pool_len = PreemptSlot(p, victim, pool_len, &step_len);
+  if (needy_count > pool_len) {
+    PreemptCpu(p, needy_total, &needy_count, &pool_len, &step_len);
   }
 
   // Phase 3.
