@@ -1,12 +1,29 @@
 """paddle_step: KV-cache block scheduling and decode-input ops for Paddle,
-and a continuous-batching engine that drives them."""
+and a continuous-batching engine that drives them.
+
+The compiled ops and the engine load on first use, so ``paddle_step.check_state``
+(NumPy only) imports without paddle or a build.
+"""
+
+from importlib import import_module
 
 from .check_state import StateError, check_state
-from .engine import Engine, GenerationResult, GenerationStats
-from .ops import advance_step, step_paddle
-from .state import EngineConfig
 
-__all__ = [
-    "Engine", "EngineConfig", "GenerationResult", "GenerationStats", "StateError",
-    "advance_step", "check_state", "step_paddle",
-]
+_LAZY = {
+    "advance_step": ".ops",
+    "step_paddle": ".ops",
+    "Engine": ".engine",
+    "GenerationResult": ".engine",
+    "GenerationStats": ".engine",
+    "EngineConfig": ".state",
+}
+
+__all__ = ["StateError", "check_state", *_LAZY]
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'paddle_step' has no attribute '{name}'")
+    value = getattr(import_module(_LAZY[name], __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value

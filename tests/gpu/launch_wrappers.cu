@@ -1,0 +1,224 @@
+// C entry points for the Paddle-free GPU test harness (tests/gpu): raw device
+// pointers, sizes and a stream in, the op's launchers called exactly as the
+// Paddle glue (ops/step_paddle.cc, ops/advance_step.cc) calls them. No kernel
+// code here. Every function returns a cudaError_t as int (0 = success).
+// Streams, events and graphs are opaque handles passed as void*.
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "gpu_launchers.h"
+
+namespace {
+
+template <typename SeqLenT, typename BlockT>
+cudaError_t AdvanceStep(void* input_tokens, const void* sampled_token_ids,
+                        void* input_positions, void* seq_lens,
+                        void* slot_mapping, const void* block_tables,
+                        const void* active, int64_t num_seqs,
+                        int64_t num_queries, int64_t blocks_per_seq,
+                        int64_t block_size, cudaStream_t stream) {
+  paddle_step::AdvanceStepParams<SeqLenT, BlockT> params;
+  params.input_tokens = static_cast<int64_t*>(input_tokens);
+  params.sampled_token_ids = static_cast<const int64_t*>(sampled_token_ids);
+  params.input_positions = static_cast<int64_t*>(input_positions);
+  params.seq_lens = static_cast<SeqLenT*>(seq_lens);
+  params.slot_mapping = static_cast<int64_t*>(slot_mapping);
+  params.block_tables = static_cast<const BlockT*>(block_tables);
+  params.active = static_cast<const bool*>(active);
+  params.num_seqs = num_seqs;
+  params.num_queries = num_queries;
+  params.blocks_per_seq = blocks_per_seq;
+  params.block_size = block_size;
+  return paddle_step::LaunchAdvanceStep(params, stream);
+}
+
+// Indices into the pointer array of paddle_step_step_paddle: the op's input
+// order (tests/ref_step_paddle.py STEP_PADDLE_TENSORS).
+enum StepPaddleTensor {
+  kStopFlags, kSeqLensThisTime, kOriSeqLensEncoder, kSeqLensEncoder,
+  kSeqLensDecoder, kBlockTables, kEncoderBlockLens, kIsBlockStep,
+  kStepBlockList, kStepLens, kRecoverBlockList, kRecoverLens,
+  kNeedBlockList, kNeedBlockLen, kUsedListLen, kFreeList, kFreeListLen,
+  kInputIds, kPreIds, kStepIdx, kNextTokens, kFirstTokenIds,
+  kStepPaddleTensorCount
+};
+
+}  // namespace
+
+extern "C" {
+
+// seq_lens_bits / block_tables_bits: 32 or 64 (int32 or int64 tensors).
+// active: nullptr when absent.
+int paddle_step_advance_step(void* input_tokens, const void* sampled_token_ids,
+                             void* input_positions, void* seq_lens,
+                             int seq_lens_bits, void* slot_mapping,
+                             const void* block_tables, int block_tables_bits,
+                             const void* active, int64_t num_seqs,
+                             int64_t num_queries, int64_t blocks_per_seq,
+                             int64_t block_size, void* stream) {
+  if (block_size <= 0 || num_queries > num_seqs || blocks_per_seq < 0) {
+    return cudaErrorInvalidValue;
+  }
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  auto run = AdvanceStep<int32_t, int32_t>;
+  if (seq_lens_bits == 32 && block_tables_bits == 64) {
+    run = AdvanceStep<int32_t, int64_t>;
+  } else if (seq_lens_bits == 64 && block_tables_bits == 32) {
+    run = AdvanceStep<int64_t, int32_t>;
+  } else if (seq_lens_bits == 64 && block_tables_bits == 64) {
+    run = AdvanceStep<int64_t, int64_t>;
+  } else if (seq_lens_bits != 32 || block_tables_bits != 32) {
+    return cudaErrorInvalidValue;
+  }
+  return run(input_tokens, sampled_token_ids, input_positions, seq_lens,
+             slot_mapping, block_tables, active, num_seqs, num_queries,
+             blocks_per_seq, block_size, s);
+}
+
+// tensors: the 22 device pointers in STEP_PADDLE_TENSORS order. Sizes as the
+// glue takes them: batch_size = stop_flags.shape[0], blocks_per_seq =
+// block_tables.shape[1], free_list_capacity = free_list.size, input_ids_len =
+// input_ids.shape[1], pre_ids_len = pre_ids.shape[1].
+int paddle_step_step_paddle(void* const* tensors, int64_t batch_size,
+                            int64_t blocks_per_seq, int64_t free_list_capacity,
+                            int64_t input_ids_len, int64_t pre_ids_len,
+                            int64_t block_size, void* stream) {
+  if (block_size <= 0) return cudaErrorInvalidValue;
+  paddle_step::StepPaddleParams p;
+  p.stop_flags = static_cast<bool*>(tensors[kStopFlags]);
+  p.seq_lens_this_time = static_cast<int32_t*>(tensors[kSeqLensThisTime]);
+  p.ori_seq_lens_encoder =
+      static_cast<const int32_t*>(tensors[kOriSeqLensEncoder]);
+  p.seq_lens_encoder = static_cast<int32_t*>(tensors[kSeqLensEncoder]);
+  p.seq_lens_decoder = static_cast<int32_t*>(tensors[kSeqLensDecoder]);
+  p.block_tables = static_cast<int32_t*>(tensors[kBlockTables]);
+  p.encoder_block_lens = static_cast<int32_t*>(tensors[kEncoderBlockLens]);
+  p.is_block_step = static_cast<bool*>(tensors[kIsBlockStep]);
+  p.step_block_list = static_cast<int32_t*>(tensors[kStepBlockList]);
+  p.step_lens = static_cast<int32_t*>(tensors[kStepLens]);
+  p.recover_block_list = static_cast<int32_t*>(tensors[kRecoverBlockList]);
+  p.recover_lens = static_cast<int32_t*>(tensors[kRecoverLens]);
+  p.need_block_list = static_cast<int32_t*>(tensors[kNeedBlockList]);
+  p.need_block_len = static_cast<int32_t*>(tensors[kNeedBlockLen]);
+  p.used_list_len = static_cast<int32_t*>(tensors[kUsedListLen]);
+  p.free_list = static_cast<int32_t*>(tensors[kFreeList]);
+  p.free_list_len = static_cast<int32_t*>(tensors[kFreeListLen]);
+  p.input_ids = static_cast<int64_t*>(tensors[kInputIds]);
+  p.pre_ids = static_cast<const int64_t*>(tensors[kPreIds]);
+  p.step_idx = static_cast<const int64_t*>(tensors[kStepIdx]);
+  p.next_tokens = static_cast<const int64_t*>(tensors[kNextTokens]);
+  p.first_token_ids = static_cast<int64_t*>(tensors[kFirstTokenIds]);
+  p.batch_size = batch_size;
+  p.blocks_per_seq = blocks_per_seq;
+  p.free_list_capacity = free_list_capacity;
+  p.input_ids_len = input_ids_len;
+  p.pre_ids_len = pre_ids_len;
+  p.block_size = block_size;
+  p.max_dec_blocks = input_ids_len / block_size;
+  return paddle_step::LaunchStepPaddle(p, static_cast<cudaStream_t>(stream));
+}
+
+int paddle_step_step_paddle_tensor_count() { return kStepPaddleTensorCount; }
+
+// cudaGetDeviceCount's status; *count is 0 on error.
+int paddle_step_device_count(int* count) {
+  *count = 0;
+  const cudaError_t status = cudaGetDeviceCount(count);
+  if (status != cudaSuccess) {
+    *count = 0;
+    cudaGetLastError();  // clear it so later calls do not report it
+  }
+  return status;
+}
+
+int paddle_step_gpu_count() {
+  int count = 0;
+  paddle_step_device_count(&count);
+  return count;
+}
+
+const char* paddle_step_error_string(int error) {
+  return cudaGetErrorString(static_cast<cudaError_t>(error));
+}
+
+// ---- Streams, graphs and events, so the tests need no backend API for them.
+
+int paddle_step_device_synchronize() { return cudaDeviceSynchronize(); }
+
+int paddle_step_stream_create(void** stream) {
+  cudaStream_t s = nullptr;
+  const cudaError_t status = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  *stream = s;
+  return status;
+}
+
+int paddle_step_stream_synchronize(void* stream) {
+  return cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
+}
+
+int paddle_step_stream_destroy(void* stream) {
+  return cudaStreamDestroy(static_cast<cudaStream_t>(stream));
+}
+
+int paddle_step_capture_begin(void* stream) {
+  return cudaStreamBeginCapture(static_cast<cudaStream_t>(stream),
+                                cudaStreamCaptureModeThreadLocal);
+}
+
+// Ends the capture and instantiates it; *graph_exec is the executable graph.
+// *node_count is the number of nodes captured.
+int paddle_step_capture_end(void* stream, void** graph_exec,
+                            int64_t* node_count) {
+  cudaGraph_t graph = nullptr;
+  *graph_exec = nullptr;
+  *node_count = 0;
+  cudaError_t status =
+      cudaStreamEndCapture(static_cast<cudaStream_t>(stream), &graph);
+  if (status != cudaSuccess) return status;
+  size_t nodes = 0;
+  status = cudaGraphGetNodes(graph, nullptr, &nodes);
+  *node_count = static_cast<int64_t>(nodes);
+  cudaGraphExec_t exec = nullptr;
+  if (status == cudaSuccess) {
+    status = cudaGraphInstantiateWithFlags(&exec, graph, 0);
+  }
+  cudaGraphDestroy(graph);
+  *graph_exec = exec;
+  return status;
+}
+
+int paddle_step_graph_launch(void* graph_exec, void* stream) {
+  return cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph_exec),
+                         static_cast<cudaStream_t>(stream));
+}
+
+int paddle_step_graph_destroy(void* graph_exec) {
+  return cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(graph_exec));
+}
+
+int paddle_step_event_create(void** event) {
+  cudaEvent_t e = nullptr;
+  const cudaError_t status = cudaEventCreate(&e);
+  *event = e;
+  return status;
+}
+
+int paddle_step_event_record(void* event, void* stream) {
+  return cudaEventRecord(static_cast<cudaEvent_t>(event),
+                         static_cast<cudaStream_t>(stream));
+}
+
+// Waits for `end`, then *milliseconds = time from `start` to `end`.
+int paddle_step_event_elapsed_ms(void* start, void* end, float* milliseconds) {
+  const cudaError_t status = cudaEventSynchronize(static_cast<cudaEvent_t>(end));
+  if (status != cudaSuccess) return status;
+  return cudaEventElapsedTime(milliseconds, static_cast<cudaEvent_t>(start),
+                              static_cast<cudaEvent_t>(end));
+}
+
+int paddle_step_event_destroy(void* event) {
+  return cudaEventDestroy(static_cast<cudaEvent_t>(event));
+}
+
+}  // extern "C"
