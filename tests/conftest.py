@@ -25,3 +25,13 @@ def place(request):
     paddle.set_device(request.param)
     yield request.param
     paddle.set_device("cpu")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--soak-steps", type=int, default=1500,
+                     help="engine steps of the soak test (default keeps it near a minute)")
+
+
+@pytest.fixture
+def soak_steps(request):
+    return request.config.getoption("--soak-steps")

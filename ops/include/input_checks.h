@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "paddle/common/ddim.h"  // Tensor::dims(); paddle 2.6 only declares it
 #include "paddle/extension.h"
 
 namespace paddle_step {
