@@ -388,7 +388,8 @@ class Engine:
                                  self.config.block_size)
         # Decode rows take the token, position and KV slot advance_step prepared.
         rows = batch["token_rows"]
-        is_decode = paddle.gather(state.decode_active, rows)
+        # Gathered as int32: paddle 2.6 has no CPU gather kernel for bool.
+        is_decode = paddle.gather(state.decode_active.astype("int32"), rows) != 0
         for key, prepared in (("input_ids", state.input_tokens),
                               ("positions", state.input_positions),
                               ("slot_mapping", state.slot_mapping)):

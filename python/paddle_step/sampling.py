@@ -7,10 +7,17 @@ whatever else shares its batch and whether or not it was preempted and recompute
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import paddle
 
 __all__ = ["sample_tokens", "sampling_uniforms"]
+
+# paddle 2.6's argsort has no `stable`; its CPU sort is deterministic per row
+# all the same, which is what keeps engine and naive draws equal.
+_ARGSORT_OPTIONS = ({"stable": True} if "stable" in inspect.signature(paddle.argsort).parameters
+                    else {})
 
 _MASK64 = (1 << 64) - 1
 
@@ -50,7 +57,7 @@ def sample_tokens(
         return greedy
     scale = paddle.clip(temperature, min=1e-6).astype(logits.dtype).unsqueeze(1)
     probs = paddle.nn.functional.softmax(logits / scale, axis=-1)
-    order = paddle.argsort(probs, axis=-1, descending=True, stable=True)
+    order = paddle.argsort(probs, axis=-1, descending=True, **_ARGSORT_OPTIONS)
     sorted_probs = paddle.take_along_axis(probs, order, axis=-1)
     mass_before = paddle.cumsum(sorted_probs, axis=-1) - sorted_probs
     # The most likely token is always kept, so top_p near 0 degrades to greedy.
