@@ -404,39 +404,33 @@ class Engine:
         return paddle.to_tensor(draws, place=self.state.place)
 
     def _update_inputs(self, ran: paddle.Tensor, tokens: paddle.Tensor) -> None:
-        """FastDeploy's update_inputs and stop checks, over the whole batch at once."""
+        """FastDeploy's update_inputs and stop checks, over the whole batch at once.
+
+        The rows that did not run are the stopped ones (finished, preempted or free):
+        their seq_lens_this_time is 0 and, of what is written here, later steps read only
+        their next_tokens and pre_ids columns >= 1 (a recovery rebuilds its row from
+        those), so only those two keep their values. That saves half the eager ops.
+        """
         state = self.state
+        ran_count = ran.astype(state.step_idx.dtype)
+        state.step_idx.add_(ran_count)
+        # add_request keeps prompt + max_new_tokens within max_model_len, so this stop
+        # also keeps every pre_ids / input_ids write inside its row.
+        finished = paddle.logical_and(
+            ran, (tokens == state.eos_token_id) | (state.step_idx >= state.max_new_tokens))
+        # pre_ids[b, step_idx[b]] = token; rows that did not run write column 0, unread.
+        column = (state.step_idx * ran_count).unsqueeze(1)
+        state.pre_ids.put_along_axis_(column, tokens.unsqueeze(1), 1)
+        paddle.assign(paddle.where(ran, tokens, state.next_tokens), output=state.next_tokens)
+        state.input_ids[:, 0] = tokens
 
-        def assign(target: paddle.Tensor, value: paddle.Tensor) -> None:
-            paddle.assign(value.astype(target.dtype), output=target)
-
-        def zeros(like: paddle.Tensor) -> paddle.Tensor:
-            return paddle.zeros_like(like)
-
-        step_idx = paddle.where(ran, state.step_idx + 1, state.step_idx)
-        # add_request keeps prompt + max_new_tokens within max_model_len; the length check
-        # is the backstop that keeps every pre_ids / input_ids write inside its row.
-        finished = paddle.logical_and(ran, (
-            (tokens == state.eos_token_id)
-            | (step_idx >= state.max_new_tokens)
-            | (state.ori_seq_lens_encoder.astype("int64") + step_idx >= self.config.max_model_len)
-        ))
-        assign(state.step_idx, step_idx)
-        # pre_ids[b, step_idx[b]] = token on the rows that ran (others rewrite their value).
-        column = paddle.clip(step_idx, max=state.pre_ids.shape[1] - 1).unsqueeze(1)
-        previous = paddle.take_along_axis(state.pre_ids, column, axis=1).squeeze(1)
-        state.pre_ids.put_along_axis_(column, paddle.where(ran, tokens, previous).unsqueeze(1), 1)
-        assign(state.next_tokens, paddle.where(ran, tokens, state.next_tokens))
-        state.input_ids[:, 0] = paddle.where(ran, tokens, state.input_ids[:, 0])
-
-        this_time, decoder = state.seq_lens_this_time, state.seq_lens_decoder
-        assign(decoder, paddle.where(finished, zeros(decoder),
-                                     paddle.where(ran, decoder + this_time, decoder)))
-        assign(this_time, paddle.where(finished, zeros(this_time),
-                                       paddle.where(ran, paddle.ones_like(this_time), this_time)))
-        assign(state.seq_lens_encoder,
-               paddle.where(ran, zeros(state.seq_lens_encoder), state.seq_lens_encoder))
-        assign(state.stop_flags, paddle.logical_or(state.stop_flags, finished))
+        still_running = paddle.logical_and(ran, paddle.logical_not(finished)).astype(
+            state.seq_lens_this_time.dtype)
+        # A row that ran advances by the tokens it ran; a stopped one ends at 0.
+        state.seq_lens_decoder.add_(state.seq_lens_this_time).multiply_(still_running)
+        paddle.assign(still_running, output=state.seq_lens_this_time)
+        state.seq_lens_encoder.zero_()  # prefills are done; recovery sets it after this
+        paddle.assign(paddle.logical_or(state.stop_flags, finished), output=state.stop_flags)
 
     def _advance_decode_inputs(self) -> None:
         """Next step's decode token, position and slot for every running, non-prefill slot."""
