@@ -257,3 +257,16 @@ def test_sampler_greedy_and_nucleus() -> None:
         uniforms = paddle.full([1], draw, dtype="float64")
         token = sample_tokens(logits[:1], hot[:1], paddle.ones([1]), uniforms)
         assert token.tolist() == [expected]
+
+
+def test_share_inputs_check_reports_a_planted_corruption():
+    from paddle_step import StateError
+    from paddle_step.state import EngineConfig, ShareInputs
+
+    state = ShareInputs(EngineConfig(max_batch=2, max_model_len=16, block_size=4,
+                                     num_kv_blocks=16))
+    state.check()  # a fresh state is valid
+    pool_top = int(state.free_list[0])
+    state.block_tables[1, 0] = pool_top  # a pool block also owned by slot 1
+    with pytest.raises(StateError, match=f"block {pool_top}"):
+        state.check()

@@ -31,7 +31,6 @@ import paddle
 
 from .block_allocator import EncoderBlockAllocator
 from .check_state import StateError
-from .check_state import check_state as check_spec_state
 from .model import PagedKVCache, TinyLlama, build_flat_batch
 from .ops import advance_step, step_paddle
 from .sampling import sample_tokens, sampling_uniforms
@@ -531,10 +530,7 @@ class Engine:
     def _check_invariants(self) -> None:
         """SPEC's invariants (``check_state``) plus prompt-block conservation."""
         config, state = self.config, self.state
-        check_spec_state(
-            state.step_tensors(), config.block_size, num_blocks=config.num_kv_blocks,
-            decoder_blocks=range(config.num_encoder_blocks, config.num_kv_blocks),
-        )
+        state.check()
         tables = state.block_tables.numpy()
         encoder_lens = state.encoder_block_lens.numpy()
         problems = []

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
-from .check_state import STEP_PADDLE_TENSORS
+from .check_state import STEP_PADDLE_TENSORS, check_state
 
 __all__ = ["EngineConfig", "ShareInputs"]
 
@@ -186,3 +186,10 @@ class ShareInputs:
     def step_tensors(self) -> dict[str, paddle.Tensor]:
         """``step_paddle``'s 22 tensors by name, in its argument order."""
         return {name: getattr(self, name) for name in STEP_PADDLE_TENSORS}
+
+    def check(self) -> None:
+        """``check_state`` on this state (raises ``StateError`` listing every
+        violation), knowing the block-id layout: decoder blocks are the top ids."""
+        config = self.config
+        check_state(self.step_tensors(), config.block_size, num_blocks=config.num_kv_blocks,
+                    decoder_blocks=range(config.num_encoder_blocks, config.num_kv_blocks))
