@@ -4,7 +4,10 @@
 // that are prefix sums over ascending slot ids. The CPU kernel below runs the
 // pieces in a plain loop with running sums; the CUDA kernel
 // (ops/gpu/step_paddle.cu) runs the same pieces in parallel with block-wide
-// scans and reductions. Same pieces, same order, hence the same bytes.
+// scans and reductions. Same pieces, same order, hence the same bytes. Only
+// the choice of preemption victims is organised differently (a heap on the
+// CPU, a block-wide max per victim on the GPU); both yield the same victims in
+// the same order (see PreemptCpu).
 //
 // Bounds rules (SPEC: no read or write outside any tensor), for states that
 // are not what a serving loop produces:
