@@ -47,7 +47,7 @@ cuda-check:
 	$(MAKE) VENV=.venv-cuda PADDLE_PACKAGE=paddlepaddle-gpu==2.6.2 build
 	.venv-cuda/bin/python -c "import paddle; assert paddle.is_compiled_with_cuda()"
 	grep -q "building CPU and CUDA kernels" .venv-cuda/build.log
-	.venv-cuda/bin/python -m pytest tests -q -p no:cacheprovider -m "not needs_paddle3"
+	.venv-cuda/bin/python -m pytest tests -q -p no:cacheprovider
 
 # The CUDA kernels without Paddle (tests/gpu): builds with nvcc, runs on a GPU
 # machine, skips with the reason elsewhere.
