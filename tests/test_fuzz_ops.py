@@ -20,7 +20,7 @@ import paddle_step
 from paddle_step.check_state import check_state
 from fake_decode_loop import FakeDecodeLoop
 from ref_advance_step import ref_advance_step
-from ref_step_paddle import STEP_PADDLE_TENSORS, ref_step_paddle
+from ref_step_paddle import ref_step_paddle
 from test_step_paddle import assert_same_bytes, random_state, run_op
 
 FUZZ = settings(max_examples=60, deadline=None,

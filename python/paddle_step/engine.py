@@ -529,7 +529,7 @@ class Engine:
 
     def _check_invariants(self) -> None:
         """SPEC's invariants (``check_state``) plus prompt-block conservation."""
-        config, state = self.config, self.state
+        state = self.state
         state.check()
         tables = state.block_tables.numpy()
         encoder_lens = state.encoder_block_lens.numpy()
