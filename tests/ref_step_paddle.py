@@ -130,7 +130,8 @@ def ref_step_paddle(
                 push_decoder_blocks(slot)
                 encoder_block_lens[slot] = 0
                 used_list_len[slot] = 0
-        elif seq_lens_this_time[slot] != 0:
+        elif not stop_flags[slot] and seq_lens_this_time[slot] != 0:
+            # A stopped (preempted) slot is never needy (SPEC, phase 1).
             column = next_column(slot)
             if 0 <= column < blocks_per_seq and block_tables[slot, column] == -1:
                 needy.append(slot)

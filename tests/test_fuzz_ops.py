@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import paddle_step
 from paddle_step.check_state import check_state
-from fake_decode_loop import FakeDecodeLoop
+from fake_decode_loop import FakeDecodeLoop, add_preempted, add_running, make_state
 from ref_advance_step import ref_advance_step
 from ref_step_paddle import ref_step_paddle
 from test_step_paddle import assert_same_bytes, random_state, run_op
@@ -48,6 +48,57 @@ def test_serving_states_keep_invariants(batch, block_size, seed, tight, stopped_
         return got
 
     loop.run(step, max_steps=2000)
+
+
+def decoder_blocks_held(state, first_decoder_block):
+    """Every decoder block id in the pool or in a table, sorted (duplicates kept)."""
+    pool = state["free_list"][: int(state["free_list_len"][0])].tolist()
+    tables = state["block_tables"]
+    return sorted(pool + tables[tables >= first_decoder_block].tolist())
+
+
+@FUZZ
+@given(batch=st.integers(1, 12), block_size=st.sampled_from([1, 2, 4]),
+       seed=st.integers(0, 2**32 - 1))
+def test_stopped_preempted_slots_with_tokens_conserve_blocks(batch, block_size, seed):
+    # Serving states plus preempted slots whose seq_lens_this_time was left
+    # non-zero (as FastDeploy's own test state has): no decoder block may be lost
+    # or doubled, whatever the pool size.
+    rng = np.random.default_rng(seed)
+    blocks_per_seq = 6
+    max_len = blocks_per_seq * block_size
+    first_decoder_block = 100
+    decoder_ids = list(range(first_decoder_block, first_decoder_block + 4 * batch))
+    state = make_state(batch, blocks_per_seq, max_len, free_list_size=len(decoder_ids))
+    next_encoder_block = 0
+    for slot in range(batch):
+        kind = rng.integers(3)
+        encoder_count = int(rng.integers(1, 3))
+        encoder_blocks = list(range(next_encoder_block, next_encoder_block + encoder_count))
+        next_encoder_block += encoder_count
+        if kind == 1:
+            held = min(int(rng.integers(0, 3)), len(decoder_ids),
+                       blocks_per_seq - 1 - encoder_count)
+            decoder_blocks = [decoder_ids.pop() for _ in range(held)]
+            written = (encoder_count + held) * block_size - int(rng.integers(0, block_size))
+            add_running(state, slot, encoder_blocks=encoder_blocks,
+                        decoder_blocks=decoder_blocks, seq_lens_decoder=written)
+        elif kind == 2:
+            prompt_len = int(rng.integers(1, block_size * encoder_count + 1))
+            add_preempted(state, slot, encoder_blocks=encoder_blocks,
+                          used_list_len=int(rng.integers(0, 3)), prompt_len=prompt_len,
+                          step_idx=int(rng.integers(1, max_len - prompt_len + 1)))
+            state["seq_lens_this_time"][slot] = int(rng.integers(1, 3))
+            state["seq_lens_decoder"][slot] = int(rng.integers(0, max_len))
+    pool = decoder_ids[: int(rng.integers(0, len(decoder_ids) + 1))]
+    state["free_list"][: len(pool)] = pool
+    state["free_list_len"][0] = len(pool)
+    before = decoder_blocks_held(state, first_decoder_block)
+
+    got = run_op(state, block_size)
+    assert_same_bytes(got, ref_step_paddle(state, block_size))
+    after = decoder_blocks_held(got, first_decoder_block)
+    assert after == before, f"decoder blocks before {before}, after {after}"
 
 
 @FUZZ

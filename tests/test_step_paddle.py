@@ -161,6 +161,29 @@ def test_empty_pool_all_stopped_and_full_table(place):
     assert got["free_list_len"][0] == 2 and list(got["block_tables"][0]) == [4, -1]
 
 
+def test_stopped_preempted_slot_is_never_needy(place):
+    # FastDeploy's own test state: a preempted slot whose seq_lens_this_time was
+    # left at 1. Counting it as needy gave it block 12, which recovery then lost
+    # by rebuilding its table over the same columns.
+    state = make_state(1, 4, 16, free_list=[10, 11, 12])
+    state["stop_flags"][0] = True
+    state["is_block_step"][0] = True
+    state["seq_lens_this_time"][0] = 1
+    state["seq_lens_decoder"][0] = 4
+    state["block_tables"][0] = [0, -1, -1, -1]
+    state["encoder_block_lens"][0] = 1
+    state["used_list_len"][0] = 0
+    state["step_block_list"][0] = 0
+    state["step_lens"][0] = 1
+    state["ori_seq_lens_encoder"][0] = 3
+    state["step_idx"][0] = 2
+    got = run_op(state, 4)
+    assert_same_bytes(got, ref_step_paddle(state, 4))
+    assert list(got["block_tables"][0]) == [0, 12, -1, -1]
+    assert got["used_list_len"][0] == 1 and got["free_list_len"][0] == 2
+    assert sorted(got["free_list"][:2]) == [10, 11]
+
+
 @pytest.mark.needs_paddle3
 def test_inside_to_static_matches_dynamic():
     loop = FakeDecodeLoop(7, 64, 4, 16, 16, 40, seed=11, num_requests=20)

@@ -135,7 +135,9 @@ PADDLE_STEP_HOST_DEVICE FreePhaseDecision DecideFreeOrNeed(
   if (p.stop_flags[slot] && !p.is_block_step[slot]) {
     p.first_token_ids[slot] = -1;
     decision.frees = p.used_list_len[slot] > 0;
-  } else if (p.seq_lens_this_time[slot] != 0) {
+  } else if (!p.stop_flags[slot] && p.seq_lens_this_time[slot] != 0) {
+    // A stopped (preempted) slot is never needy: a block given to it would be
+    // lost when recovery rebuilds its table over the same columns.
     const int64_t column = NextColumn(p, slot);
     decision.needy =
         ColumnInTable(p, column) && TableRow(p, slot)[column] == -1;
