@@ -49,7 +49,10 @@ def gencode_flags():
 
 def make_extension():
     cc_sources = sorted(glob.glob(os.path.join(OPS, "*.cc")))
-    include_dirs = [os.path.join(OPS, "include")]
+    # ops/include: the framework-free kernels; ops/paddle_glue: the headers of
+    # the Paddle glue (validation, entry points, registration).
+    include_dirs = [os.path.join(OPS, "include"),
+                    os.path.join(OPS, "paddle_glue")]
     cxx_flags = ["-std=c++17", "-O3"]
     cuda_home = find_cuda_home()
     use_cuda = (
