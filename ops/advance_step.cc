@@ -24,45 +24,6 @@ constexpr const char* kNames[kAdvanceStepInputCount] = {
     "input_tokens", "sampled_token_ids", "input_positions", "seq_lens",
     "slot_mapping", "block_tables", "active"};
 
-template <typename SeqLenT, typename BlockT>
-void RunAdvanceStep(const paddle::Tensor& input_tokens,
-                    const paddle::Tensor& sampled_token_ids,
-                    const paddle::Tensor& input_positions,
-                    const paddle::Tensor& seq_lens,
-                    const paddle::Tensor& slot_mapping,
-                    const paddle::Tensor& block_tables,
-                    const paddle::optional<paddle::Tensor>& active,
-                    int64_t num_seqs, int64_t num_queries, int64_t block_size) {
-  // Paddle passes in-place tensors as const; the op's contract is to write
-  // them (SetInplaceMap below).
-  AdvanceStepParams<SeqLenT, BlockT> params;
-  params.input_tokens = const_cast<int64_t*>(input_tokens.data<int64_t>());
-  params.sampled_token_ids = sampled_token_ids.data<int64_t>();
-  params.input_positions =
-      const_cast<int64_t*>(input_positions.data<int64_t>());
-  params.seq_lens = const_cast<SeqLenT*>(seq_lens.data<SeqLenT>());
-  params.slot_mapping = const_cast<int64_t*>(slot_mapping.data<int64_t>());
-  params.block_tables = block_tables.data<BlockT>();
-  params.active = active ? active->data<bool>() : nullptr;
-  params.num_seqs = num_seqs;
-  params.num_queries = num_queries;
-  params.blocks_per_seq = block_tables.dims()[1];
-  params.block_size = block_size;
-
-  if (input_tokens.is_cpu()) {
-    AdvanceStepCpu(params);
-    return;
-  }
-#ifdef PADDLE_STEP_WITH_CUDA
-  const cudaError_t status = LaunchAdvanceStep(params, input_tokens.stream());
-  if (status != cudaSuccess) {
-    throw std::runtime_error(std::string("paddle_step.advance_step: CUDA "
-                                         "launch failed: ") +
-                             cudaGetErrorString(status));
-  }
-#endif
-}
-
 }  // namespace
 
 void CheckAdvanceStepViews(const TensorView* views, int count,
@@ -99,11 +60,10 @@ void CheckAdvanceStepViews(const TensorView* views, int count,
   if (has_active) kCheck.Shape(kNames[kActive], views[kActive], {num_seqs});
 }
 
-void AdvanceStep(const paddle::Tensor& input_tokens,
+void AdvanceStep(paddle::Tensor& input_tokens,
                  const paddle::Tensor& sampled_token_ids,
-                 const paddle::Tensor& input_positions,
-                 const paddle::Tensor& seq_lens,
-                 const paddle::Tensor& slot_mapping,
+                 paddle::Tensor& input_positions, paddle::Tensor& seq_lens,
+                 paddle::Tensor& slot_mapping,
                  const paddle::Tensor& block_tables,
                  const paddle::optional<paddle::Tensor>& active,
                  int64_t num_seqs, int64_t num_queries, int64_t block_size) {
@@ -116,37 +76,43 @@ void AdvanceStep(const paddle::Tensor& input_tokens,
   CheckAdvanceStepViews(views, count, num_seqs, num_queries, block_size);
   kCheck.SamePlace(kNames, tensors, count);
 
+  // The kernel is instantiated per element type of seq_lens and block_tables.
+  const auto run = [&](auto seq_len_type, auto block_type) {
+    AdvanceStepParams<decltype(seq_len_type), decltype(block_type)> params;
+    params.input_tokens = input_tokens.data<int64_t>();
+    params.sampled_token_ids = sampled_token_ids.data<int64_t>();
+    params.input_positions = input_positions.data<int64_t>();
+    params.seq_lens = seq_lens.data<decltype(seq_len_type)>();
+    params.slot_mapping = slot_mapping.data<int64_t>();
+    params.block_tables = block_tables.data<decltype(block_type)>();
+    params.active = active ? active->data<bool>() : nullptr;
+    params.num_seqs = num_seqs;
+    params.num_queries = num_queries;
+    params.blocks_per_seq = block_tables.dims()[1];
+    params.block_size = block_size;
+    if (input_tokens.is_cpu()) {
+      AdvanceStepCpu(params);
+      return;
+    }
+#ifdef PADDLE_STEP_WITH_CUDA
+    ThrowIfLaunchFailed("advance_step",
+                        LaunchAdvanceStep(params, input_tokens.stream()));
+#endif
+  };
   const bool seq_lens_int64 = seq_lens.dtype() == paddle::DataType::INT64;
   const bool tables_int64 = block_tables.dtype() == paddle::DataType::INT64;
-  auto run = seq_lens_int64
-                 ? (tables_int64 ? RunAdvanceStep<int64_t, int64_t>
-                                 : RunAdvanceStep<int64_t, int32_t>)
-                 : (tables_int64 ? RunAdvanceStep<int32_t, int64_t>
-                                 : RunAdvanceStep<int32_t, int32_t>);
-  run(input_tokens, sampled_token_ids, input_positions, seq_lens,
-      slot_mapping, block_tables, active, num_seqs, num_queries, block_size);
+  if (seq_lens_int64 && tables_int64) {
+    run(int64_t{}, int64_t{});
+  } else if (seq_lens_int64) {
+    run(int64_t{}, int32_t{});
+  } else if (tables_int64) {
+    run(int32_t{}, int64_t{});
+  } else {
+    run(int32_t{}, int32_t{});
+  }
 }
 
 }  // namespace paddle_step
-
-namespace {
-
-void AdvanceStepOp(const paddle::Tensor& input_tokens,
-                   const paddle::Tensor& sampled_token_ids,
-                   const paddle::Tensor& input_positions,
-                   const paddle::Tensor& seq_lens,
-                   const paddle::Tensor& slot_mapping,
-                   const paddle::Tensor& block_tables,
-                   const paddle::optional<paddle::Tensor>& active,
-                   int num_seqs, int num_queries, int block_size) {
-  paddle_step::RethrowForPaddle([&] {
-    paddle_step::AdvanceStep(input_tokens, sampled_token_ids, input_positions,
-                             seq_lens, slot_mapping, block_tables, active,
-                             num_seqs, num_queries, block_size);
-  });
-}
-
-}  // namespace
 
 // Registers PD_BUILD_OP(static_op_advance_step). Paddle's setup() finds the ops of
 // a library by searching its sources for that text, so it is spelled out.
@@ -161,4 +127,5 @@ PD_BUILD_STATIC_OP(advance_step)
                     {"input_positions", "input_positions_out"},
                     {"seq_lens", "seq_lens_out"},
                     {"slot_mapping", "slot_mapping_out"}})
-    .SetKernelFn(PD_KERNEL(AdvanceStepOp));
+    .SetKernelFn(PD_KERNEL(
+        paddle_step::StaticOpKernel<&paddle_step::AdvanceStep>::Run));

@@ -35,10 +35,9 @@ PYBIND11_MODULE(paddle_step_ops, module) {
   // paddle::optional does not compile.
   module.def(
       "advance_step",
-      [](const paddle::Tensor& input_tokens,
-         const paddle::Tensor& sampled_token_ids,
-         const paddle::Tensor& input_positions, const paddle::Tensor& seq_lens,
-         const paddle::Tensor& slot_mapping, const paddle::Tensor& block_tables,
+      [](paddle::Tensor& input_tokens, const paddle::Tensor& sampled_token_ids,
+         paddle::Tensor& input_positions, paddle::Tensor& seq_lens,
+         paddle::Tensor& slot_mapping, const paddle::Tensor& block_tables,
          const pybind11::object& active, int64_t num_seqs,
          int64_t num_queries, int64_t block_size) {
         paddle::optional<paddle::Tensor> active_mask;
@@ -65,10 +64,11 @@ PYBIND11_MODULE(paddle_step_ops, module) {
   module.def("check_step_paddle",
              [](const Described& described, int64_t block_size) {
                const auto views = ToViews(described);
-               if (views.size() != paddle_step::kStepPaddleInputCount) {
+               if (views.size() != paddle_step::kStepPaddleTensorCount) {
                  throw std::invalid_argument(
-                     "check_step_paddle: expected 22 tensors, got " +
-                     std::to_string(views.size()));
+                     "check_step_paddle: expected " +
+                     std::to_string(paddle_step::kStepPaddleTensorCount) +
+                     " tensors, got " + std::to_string(views.size()));
                }
                paddle_step::CheckStepPaddleViews(views.data(), block_size);
              });

@@ -24,37 +24,22 @@
 #include <vector>
 
 #include "host_device.h"
+#include "step_paddle_tensors.h"
 
 namespace paddle_step {
 
 struct StepPaddleParams {
-  bool* stop_flags;                     // [B]
-  int32_t* seq_lens_this_time;          // [B]
-  const int32_t* ori_seq_lens_encoder;  // [B]
-  int32_t* seq_lens_encoder;            // [B]
-  int32_t* seq_lens_decoder;            // [B]
-  int32_t* block_tables;                // [B, blocks_per_seq]
-  int32_t* encoder_block_lens;          // [B]
-  bool* is_block_step;                  // [B]
-  int32_t* step_block_list;             // [B]
-  int32_t* step_lens;                   // [1]
-  int32_t* recover_block_list;          // [B]
-  int32_t* recover_lens;                // [1]
-  int32_t* need_block_list;             // [B]; also the needy-list scratch
-  int32_t* need_block_len;              // [1]
-  int32_t* used_list_len;               // [B]
-  int32_t* free_list;                   // [free_list_capacity]
-  int32_t* free_list_len;               // [1]
-  int64_t* input_ids;                   // [B, input_ids_len]
-  const int64_t* pre_ids;               // [B, pre_ids_len]
-  const int64_t* step_idx;              // [B]
-  const int64_t* next_tokens;           // [B]
-  int64_t* first_token_ids;             // [B]
-  int64_t batch_size;
-  int64_t blocks_per_seq;
-  int64_t free_list_capacity;
-  int64_t input_ids_len;
-  int64_t pre_ids_len;
+  // The data of each tensor of step_paddle_tensors.h, under its name; const
+  // where the op only reads it.
+#define PADDLE_STEP_POINTER_FIELD(name, type, shape, access) \
+  TensorPointer<type, Access::access> name;
+  PADDLE_STEP_STEP_PADDLE_TENSORS(PADDLE_STEP_POINTER_FIELD)
+#undef PADDLE_STEP_POINTER_FIELD
+  int64_t batch_size;          // B = stop_flags.shape[0]
+  int64_t blocks_per_seq;      // block_tables.shape[1]
+  int64_t free_list_capacity;  // free_list.shape[0]
+  int64_t input_ids_len;       // input_ids.shape[1]
+  int64_t pre_ids_len;         // pre_ids.shape[1]
   int64_t block_size;
   int64_t max_dec_blocks;  // input_ids_len / block_size
 };

@@ -1,6 +1,6 @@
-// Input validation shared by the ops. Every failure throws
-// std::invalid_argument (a ValueError in Python) whose message names the op,
-// the argument, what was expected and what came, before any tensor is
+// Input validation and error reporting shared by the ops. Every input failure
+// throws std::invalid_argument (a ValueError in Python) whose message names
+// the op, the argument, what was expected and what came, before any tensor is
 // written. Nothing here allocates unless a check fails: it runs on every call.
 #pragma once
 
@@ -9,6 +9,10 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+
+#ifdef PADDLE_STEP_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 #include "paddle/common/ddim.h"  // Tensor::dims(); paddle 2.6 only declares it
 #include "paddle/extension.h"
@@ -65,17 +69,16 @@ inline std::string PlaceString(const paddle::Tensor& tensor) {
   return tensor.place().DebugString();
 }
 
-// Paddle's op runner only converts its own exception type; anything else
-// thrown through a registered op aborts the process. The registered ops run
-// their body through this, so a bad input raises there too.
-template <typename Body>
-void RethrowForPaddle(Body&& body) {
-  try {
-    body();
-  } catch (const std::exception& error) {
-    PD_THROW(error.what());
+#ifdef PADDLE_STEP_WITH_CUDA
+// A failed kernel launch as an exception naming the op.
+inline void ThrowIfLaunchFailed(const char* op_name, cudaError_t status) {
+  if (status != cudaSuccess) {
+    throw std::runtime_error(std::string("paddle_step.") + op_name +
+                             ": CUDA launch failed: " +
+                             cudaGetErrorString(status));
   }
 }
+#endif
 
 class InputChecker {
  public:

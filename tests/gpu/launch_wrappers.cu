@@ -33,17 +33,6 @@ cudaError_t AdvanceStep(void* input_tokens, const void* sampled_token_ids,
   return paddle_step::LaunchAdvanceStep(params, stream);
 }
 
-// Indices into the pointer array of paddle_step_step_paddle: the op's input
-// order (tests/ref_step_paddle.py STEP_PADDLE_TENSORS).
-enum StepPaddleTensor {
-  kStopFlags, kSeqLensThisTime, kOriSeqLensEncoder, kSeqLensEncoder,
-  kSeqLensDecoder, kBlockTables, kEncoderBlockLens, kIsBlockStep,
-  kStepBlockList, kStepLens, kRecoverBlockList, kRecoverLens,
-  kNeedBlockList, kNeedBlockLen, kUsedListLen, kFreeList, kFreeListLen,
-  kInputIds, kPreIds, kStepIdx, kNextTokens, kFirstTokenIds,
-  kStepPaddleTensorCount
-};
-
 }  // namespace
 
 extern "C" {
@@ -76,7 +65,8 @@ int paddle_step_advance_step(void* input_tokens, const void* sampled_token_ids,
              blocks_per_seq, block_size, s);
 }
 
-// tensors: the 22 device pointers in STEP_PADDLE_TENSORS order. Sizes as the
+// tensors: the device pointers in the op's argument order
+// (ops/include/step_paddle_tensors.h; STEP_PADDLE_TENSORS in Python). Sizes as the
 // glue takes them: batch_size = stop_flags.shape[0], blocks_per_seq =
 // block_tables.shape[1], free_list_capacity = free_list.size, input_ids_len =
 // input_ids.shape[1], pre_ids_len = pre_ids.shape[1].
@@ -86,29 +76,12 @@ int paddle_step_step_paddle(void* const* tensors, int64_t batch_size,
                             int64_t block_size, void* stream) {
   if (block_size <= 0) return cudaErrorInvalidValue;
   paddle_step::StepPaddleParams p;
-  p.stop_flags = static_cast<bool*>(tensors[kStopFlags]);
-  p.seq_lens_this_time = static_cast<int32_t*>(tensors[kSeqLensThisTime]);
-  p.ori_seq_lens_encoder =
-      static_cast<const int32_t*>(tensors[kOriSeqLensEncoder]);
-  p.seq_lens_encoder = static_cast<int32_t*>(tensors[kSeqLensEncoder]);
-  p.seq_lens_decoder = static_cast<int32_t*>(tensors[kSeqLensDecoder]);
-  p.block_tables = static_cast<int32_t*>(tensors[kBlockTables]);
-  p.encoder_block_lens = static_cast<int32_t*>(tensors[kEncoderBlockLens]);
-  p.is_block_step = static_cast<bool*>(tensors[kIsBlockStep]);
-  p.step_block_list = static_cast<int32_t*>(tensors[kStepBlockList]);
-  p.step_lens = static_cast<int32_t*>(tensors[kStepLens]);
-  p.recover_block_list = static_cast<int32_t*>(tensors[kRecoverBlockList]);
-  p.recover_lens = static_cast<int32_t*>(tensors[kRecoverLens]);
-  p.need_block_list = static_cast<int32_t*>(tensors[kNeedBlockList]);
-  p.need_block_len = static_cast<int32_t*>(tensors[kNeedBlockLen]);
-  p.used_list_len = static_cast<int32_t*>(tensors[kUsedListLen]);
-  p.free_list = static_cast<int32_t*>(tensors[kFreeList]);
-  p.free_list_len = static_cast<int32_t*>(tensors[kFreeListLen]);
-  p.input_ids = static_cast<int64_t*>(tensors[kInputIds]);
-  p.pre_ids = static_cast<const int64_t*>(tensors[kPreIds]);
-  p.step_idx = static_cast<const int64_t*>(tensors[kStepIdx]);
-  p.next_tokens = static_cast<const int64_t*>(tensors[kNextTokens]);
-  p.first_token_ids = static_cast<int64_t*>(tensors[kFirstTokenIds]);
+#define PADDLE_STEP_SET_POINTER(name, type, shape, access)            \
+  p.name = static_cast<                                               \
+      paddle_step::TensorPointer<type, paddle_step::Access::access>>( \
+      tensors[paddle_step::step_paddle_tensor::name]);
+  PADDLE_STEP_STEP_PADDLE_TENSORS(PADDLE_STEP_SET_POINTER)
+#undef PADDLE_STEP_SET_POINTER
   p.batch_size = batch_size;
   p.blocks_per_seq = blocks_per_seq;
   p.free_list_capacity = free_list_capacity;
@@ -119,7 +92,9 @@ int paddle_step_step_paddle(void* const* tensors, int64_t batch_size,
   return paddle_step::LaunchStepPaddle(p, static_cast<cudaStream_t>(stream));
 }
 
-int paddle_step_step_paddle_tensor_count() { return kStepPaddleTensorCount; }
+int paddle_step_step_paddle_tensor_count() {
+  return paddle_step::kStepPaddleTensorCount;
+}
 
 // cudaGetDeviceCount's status; *count is 0 on error.
 int paddle_step_device_count(int* count) {
