@@ -17,18 +17,23 @@ constexpr InputChecker kCheck("advance_step");
 
 // The tensor arguments, in the op's input order.
 enum AdvanceStepInput {
-  kInputTokens, kSampledTokenIds, kInputPositions, kSeqLens, kSlotMapping,
-  kBlockTables, kActive, kAdvanceStepInputCount
+  kInputTokens,
+  kSampledTokenIds,
+  kInputPositions,
+  kSeqLens,
+  kSlotMapping,
+  kBlockTables,
+  kActive,
+  kAdvanceStepInputCount
 };
 constexpr const char* kNames[kAdvanceStepInputCount] = {
     "input_tokens", "sampled_token_ids", "input_positions", "seq_lens",
-    "slot_mapping", "block_tables", "active"};
+    "slot_mapping", "block_tables",      "active"};
 
 }  // namespace
 
-void CheckAdvanceStepViews(const TensorView* views, int count,
-                           int64_t num_seqs, int64_t num_queries,
-                           int64_t block_size) {
+void CheckAdvanceStepViews(const TensorView* views, int count, int64_t num_seqs,
+                           int64_t num_queries, int64_t block_size) {
   const auto int64 = paddle::DataType::INT64;
   const auto int32 = paddle::DataType::INT32;
   const bool has_active = count > kActive;
@@ -68,8 +73,13 @@ void AdvanceStep(paddle::Tensor& input_tokens,
                  const paddle::optional<paddle::Tensor>& active,
                  int64_t num_seqs, int64_t num_queries, int64_t block_size) {
   const paddle::Tensor* tensors[kAdvanceStepInputCount] = {
-      &input_tokens, &sampled_token_ids, &input_positions, &seq_lens,
-      &slot_mapping, &block_tables, active ? active.get_ptr() : nullptr};
+      &input_tokens,
+      &sampled_token_ids,
+      &input_positions,
+      &seq_lens,
+      &slot_mapping,
+      &block_tables,
+      active ? active.get_ptr() : nullptr};
   const int count = active ? kAdvanceStepInputCount : kActive;
   TensorView views[kAdvanceStepInputCount];
   for (int i = 0; i < count; ++i) views[i] = ViewOf(*tensors[i]);
@@ -114,12 +124,11 @@ void AdvanceStep(paddle::Tensor& input_tokens,
 
 }  // namespace paddle_step
 
-// Registers PD_BUILD_OP(static_op_advance_step). Paddle's setup() finds the ops of
-// a library by searching its sources for that text, so it is spelled out.
+// Registers PD_BUILD_OP(static_op_advance_step). Paddle's setup() finds the ops
+// of a library by searching its sources for that text, so it is spelled out.
 PD_BUILD_STATIC_OP(advance_step)
-    .Inputs({"input_tokens", "sampled_token_ids", "input_positions",
-             "seq_lens", "slot_mapping", "block_tables",
-             paddle::Optional("active")})
+    .Inputs({"input_tokens", "sampled_token_ids", "input_positions", "seq_lens",
+             "slot_mapping", "block_tables", paddle::Optional("active")})
     .Outputs({"input_tokens_out", "input_positions_out", "seq_lens_out",
               "slot_mapping_out"})
     .Attrs({"num_seqs: int", "num_queries: int", "block_size: int"})
@@ -127,5 +136,5 @@ PD_BUILD_STATIC_OP(advance_step)
                     {"input_positions", "input_positions_out"},
                     {"seq_lens", "seq_lens_out"},
                     {"slot_mapping", "slot_mapping_out"}})
-    .SetKernelFn(PD_KERNEL(
-        paddle_step::StaticOpKernel<&paddle_step::AdvanceStep>::Run));
+    .SetKernelFn(
+        PD_KERNEL(paddle_step::StaticOpKernel<&paddle_step::AdvanceStep>::Run));

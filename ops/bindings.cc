@@ -38,8 +38,8 @@ PYBIND11_MODULE(paddle_step_ops, module) {
       [](paddle::Tensor& input_tokens, const paddle::Tensor& sampled_token_ids,
          paddle::Tensor& input_positions, paddle::Tensor& seq_lens,
          paddle::Tensor& slot_mapping, const paddle::Tensor& block_tables,
-         const pybind11::object& active, int64_t num_seqs,
-         int64_t num_queries, int64_t block_size) {
+         const pybind11::object& active, int64_t num_seqs, int64_t num_queries,
+         int64_t block_size) {
         paddle::optional<paddle::Tensor> active_mask;
         if (!active.is_none()) active_mask = active.cast<paddle::Tensor>();
         paddle_step::AdvanceStep(input_tokens, sampled_token_ids,
@@ -53,14 +53,14 @@ PYBIND11_MODULE(paddle_step_ops, module) {
       pybind11::arg("active"), pybind11::arg("num_seqs"),
       pybind11::arg("num_queries"), pybind11::arg("block_size"));
   module.def("step_paddle", &paddle_step::StepPaddle);
-  module.def("check_advance_step",
-             [](const Described& described, int64_t num_seqs,
-                int64_t num_queries, int64_t block_size) {
-               const auto views = ToViews(described);
-               paddle_step::CheckAdvanceStepViews(
-                   views.data(), static_cast<int>(views.size()), num_seqs,
-                   num_queries, block_size);
-             });
+  module.def(
+      "check_advance_step", [](const Described& described, int64_t num_seqs,
+                               int64_t num_queries, int64_t block_size) {
+        const auto views = ToViews(described);
+        paddle_step::CheckAdvanceStepViews(views.data(),
+                                           static_cast<int>(views.size()),
+                                           num_seqs, num_queries, block_size);
+      });
   module.def("check_step_paddle",
              [](const Described& described, int64_t block_size) {
                const auto views = ToViews(described);

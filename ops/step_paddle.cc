@@ -25,7 +25,7 @@ struct Argument {
   ShapeKind shape;
   Access access;
 };
-#define PADDLE_STEP_ARGUMENT(name, type, shape, access) \
+#define PADDLE_STEP_ARGUMENT(name, type, shape, access)           \
   {#name, phi::CppTypeToDataType<type>::Type(), ShapeKind::shape, \
    Access::access},
 constexpr Argument kArguments[kStepPaddleTensorCount] = {
@@ -142,8 +142,8 @@ std::unordered_map<std::string, std::string> StepPaddleInplaceMap() {
 
 }  // namespace
 
-// Registers PD_BUILD_OP(static_op_step_paddle). Paddle's setup() finds the ops of
-// a library by searching its sources for that text, so it is spelled out.
+// Registers PD_BUILD_OP(static_op_step_paddle). Paddle's setup() finds the ops
+// of a library by searching its sources for that text, so it is spelled out.
 PD_BUILD_STATIC_OP(step_paddle)
     .Inputs(StepPaddleInputs(/*written_only=*/false))
     .Attrs({"block_size: int", "encoder_decoder_block_num: int"})

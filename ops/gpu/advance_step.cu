@@ -11,7 +11,8 @@ constexpr int64_t kAdvanceStepMaxBlocks = 4096;
 template <typename SeqLenT, typename BlockT>
 __global__ void AdvanceStepKernel(AdvanceStepParams<SeqLenT, BlockT> params) {
   const int64_t stride = static_cast<int64_t>(blockDim.x) * gridDim.x;
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t row =
+           static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
        row < params.num_seqs; row += stride) {
     AdvanceStepRow(params, row);
   }
@@ -26,8 +27,8 @@ cudaError_t LaunchAdvanceStep(const AdvanceStepParams<SeqLenT, BlockT>& params,
   int64_t blocks =
       (params.num_seqs + kAdvanceStepThreads - 1) / kAdvanceStepThreads;
   if (blocks > kAdvanceStepMaxBlocks) blocks = kAdvanceStepMaxBlocks;
-  AdvanceStepKernel<<<static_cast<unsigned int>(blocks), kAdvanceStepThreads,
-                      0, stream>>>(params);
+  AdvanceStepKernel<<<static_cast<unsigned int>(blocks), kAdvanceStepThreads, 0,
+                      stream>>>(params);
   return cudaGetLastError();
 }
 

@@ -18,8 +18,7 @@ namespace {
 constexpr int kStepThreads = 512;
 
 struct MaxKey {
-  __device__ __forceinline__ uint64_t operator()(uint64_t a,
-                                                 uint64_t b) const {
+  __device__ __forceinline__ uint64_t operator()(uint64_t a, uint64_t b) const {
     return a > b ? a : b;
   }
 };

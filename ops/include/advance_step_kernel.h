@@ -29,9 +29,8 @@ struct AdvanceStepParams {
 template <typename SeqLenT, typename BlockT>
 PADDLE_STEP_HOST_DEVICE void AdvanceStepRow(
     const AdvanceStepParams<SeqLenT, BlockT>& params, int64_t row) {
-  const bool is_query =
-      row < params.num_queries &&
-      (params.active == nullptr || params.active[row]);
+  const bool is_query = row < params.num_queries &&
+                        (params.active == nullptr || params.active[row]);
   if (!is_query) {
     params.input_tokens[row] = 0;
     params.input_positions[row] = 0;

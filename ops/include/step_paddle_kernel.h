@@ -109,11 +109,10 @@ struct FreePhaseDecision {
 
 // Decides for one slot and applies the parts that touch only that slot's
 // flags (the stop at the end of the table, first_token_ids).
-PADDLE_STEP_HOST_DEVICE FreePhaseDecision DecideFreeOrNeed(
-    const StepPaddleParams& p, int64_t slot) {
+PADDLE_STEP_HOST_DEVICE FreePhaseDecision
+DecideFreeOrNeed(const StepPaddleParams& p, int64_t slot) {
   FreePhaseDecision decision{false, false};
-  const bool running =
-      !p.stop_flags[slot] && p.seq_lens_this_time[slot] != 0;
+  const bool running = !p.stop_flags[slot] && p.seq_lens_this_time[slot] != 0;
   if (running && NextColumn(p, slot) >= p.blocks_per_seq) {
     p.stop_flags[slot] = true;  // no column left for its next token
   }
@@ -324,7 +323,6 @@ inline void PreemptCpu(const StepPaddleParams& p, int64_t needy_total,
     *pool_len = PreemptSlot(p, victim, *pool_len, step_len);
   }
 }
-
 
 inline void StepPaddleCpu(const StepPaddleParams& p) {
   const int64_t batch = p.batch_size;

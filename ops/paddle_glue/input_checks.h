@@ -73,9 +73,9 @@ inline std::string PlaceString(const paddle::Tensor& tensor) {
 // A failed kernel launch as an exception naming the op.
 inline void ThrowIfLaunchFailed(const char* op_name, cudaError_t status) {
   if (status != cudaSuccess) {
-    throw std::runtime_error(std::string("paddle_step.") + op_name +
-                             ": CUDA launch failed: " +
-                             cudaGetErrorString(status));
+    throw std::runtime_error(
+        std::string("paddle_step.") + op_name +
+        ": CUDA launch failed: " + cudaGetErrorString(status));
   }
 }
 #endif
@@ -146,8 +146,7 @@ class InputChecker {
     for (int i = 1; i < count; ++i) {
       if (tensors[i]->place() != place) {
         Fail(names[i],
-             "a tensor on " + PlaceString(first) + " (like '" + names[0] +
-                 "')",
+             "a tensor on " + PlaceString(first) + " (like '" + names[0] + "')",
              "a tensor on " + PlaceString(*tensors[i]));
       }
     }

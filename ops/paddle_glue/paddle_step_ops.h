@@ -15,8 +15,9 @@ namespace paddle_step {
 // How an entry point takes a tensor: one it writes as a non-const reference
 // (Paddle's form for an in-place input), one it only reads as const.
 template <Access access>
-using TensorArgument = std::conditional_t<access == Access::kWritten,
-                                          paddle::Tensor&, const paddle::Tensor&>;
+using TensorArgument =
+    std::conditional_t<access == Access::kWritten, paddle::Tensor&,
+                       const paddle::Tensor&>;
 
 // The tensor parameters of StepPaddle, in the table's order.
 #define PADDLE_STEP_TENSOR_PARAMETER(name, type, shape, access) \
@@ -27,9 +28,8 @@ using TensorArgument = std::conditional_t<access == Access::kWritten,
 // from Python while the program is built: an exception thrown by a kernel
 // inside Paddle's program executor aborts the process instead of reaching
 // Python.
-void CheckAdvanceStepViews(const TensorView* views, int count,
-                           int64_t num_seqs, int64_t num_queries,
-                           int64_t block_size);
+void CheckAdvanceStepViews(const TensorView* views, int count, int64_t num_seqs,
+                           int64_t num_queries, int64_t block_size);
 void CheckStepPaddleViews(const TensorView* views, int64_t block_size);
 
 void AdvanceStep(paddle::Tensor& input_tokens,

@@ -3,9 +3,9 @@
 // Paddle glue (ops/step_paddle.cc, ops/advance_step.cc) calls them. No kernel
 // code here. Every function returns a cudaError_t as int (0 = success).
 // Streams, events and graphs are opaque handles passed as void*.
-#include <cstdint>
-
 #include <cuda_runtime_api.h>
+
+#include <cstdint>
 
 #include "gpu_launchers.h"
 
@@ -66,8 +66,8 @@ int paddle_step_advance_step(void* input_tokens, const void* sampled_token_ids,
 }
 
 // tensors: the device pointers in the op's argument order
-// (ops/include/step_paddle_tensors.h; STEP_PADDLE_TENSORS in Python). Sizes as the
-// glue takes them: batch_size = stop_flags.shape[0], blocks_per_seq =
+// (ops/include/step_paddle_tensors.h; STEP_PADDLE_TENSORS in Python). Sizes as
+// the glue takes them: batch_size = stop_flags.shape[0], blocks_per_seq =
 // block_tables.shape[1], free_list_capacity = free_list.size, input_ids_len =
 // input_ids.shape[1], pre_ids_len = pre_ids.shape[1].
 int paddle_step_step_paddle(void* const* tensors, int64_t batch_size,
@@ -123,7 +123,8 @@ int paddle_step_device_synchronize() { return cudaDeviceSynchronize(); }
 
 int paddle_step_stream_create(void** stream) {
   cudaStream_t s = nullptr;
-  const cudaError_t status = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  const cudaError_t status =
+      cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
   *stream = s;
   return status;
 }
@@ -186,7 +187,8 @@ int paddle_step_event_record(void* event, void* stream) {
 
 // Waits for `end`, then *milliseconds = time from `start` to `end`.
 int paddle_step_event_elapsed_ms(void* start, void* end, float* milliseconds) {
-  const cudaError_t status = cudaEventSynchronize(static_cast<cudaEvent_t>(end));
+  const cudaError_t status =
+      cudaEventSynchronize(static_cast<cudaEvent_t>(end));
   if (status != cudaSuccess) return status;
   return cudaEventElapsedTime(milliseconds, static_cast<cudaEvent_t>(start),
                               static_cast<cudaEvent_t>(end));
