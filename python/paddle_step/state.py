@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
-from .check_state import STEP_PADDLE_TENSORS, check_state
+from .check_state import check_state
+from .tensor_table import STEP_PADDLE_TENSORS
 
 __all__ = ["EngineConfig", "ShareInputs"]
 
