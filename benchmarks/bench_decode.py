@@ -10,14 +10,16 @@ every slot, a few decodes) are warm-up; then ``--steps`` steps are timed.
 Each timed step is split by wrapping, in this process only, the engine's phases with
 ``time.perf_counter_ns`` timers (nothing in the engine is changed):
 
-- ``forward``: ``Engine._forward`` (flat batch, paged-attention forward, logits);
-- ``sampling``: ``sample_tokens`` (+ ``_uniforms``);
-- ``post_process``: ``Engine._update_inputs`` (FastDeploy's update_inputs, in Paddle ops);
+- ``forward``: ``ModelRunner.forward`` (flat batch, paged-attention forward, logits);
+- ``sampling``: ``sample_tokens`` (+ ``Engine._uniforms``);
+- ``post_process``: ``ModelRunner.update_inputs`` (FastDeploy's update_inputs, in Paddle ops);
 - ``step_paddle``: the op call itself;
-- ``advance_step``: ``Engine._advance_decode_inputs`` (two assigns + the op), and
+- ``advance_step``: ``ModelRunner.advance_decode_inputs`` (two assigns + the op), and
   ``advance_step_op``: the op call alone;
-- ``host``: ``Engine._sync_host`` + ``Engine._retire`` (the one copy back, host mirrors);
-- ``admit``: ``Engine._admit``; ``other``: the rest of ``Engine.step``.
+- ``host``: ``ModelRunner.sync_host`` (the one copy back), ``Scheduler.record`` (host
+  mirrors), ``Engine._count`` (stats), ``Scheduler.retire`` + ``ModelRunner.clear_slots``;
+- ``admit``: ``Scheduler.admit`` + ``ModelRunner.write_admitted``; ``other``: the rest of
+  ``Engine.step``.
 
 ``bookkeeping`` = step - forward (everything but the model forward, sampling included);
 ``bookkeeping_ex_sampling`` = step - forward - sampling; ``ops`` = step_paddle +
@@ -43,12 +45,6 @@ import platform
 import sys
 import time
 import warnings
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-for _sub in ("tests", "python"):
-    if str(ROOT / _sub) not in sys.path:
-        sys.path.insert(0, str(ROOT / _sub))
 
 import zlib  # noqa: F401,E402  isort: skip  (see tests/conftest.py)
 
@@ -58,11 +54,11 @@ warnings.filterwarnings("ignore", message=".*ccache.*")
 import paddle  # noqa: E402
 from paddle.base import core  # noqa: E402
 
-import paddle_step.engine as engine_module  # noqa: E402
+import paddle_step.model_runner as runner_module  # noqa: E402
 from paddle_step.engine import Engine  # noqa: E402
 from paddle_step.model import ModelConfig, TinyLlama  # noqa: E402
-from ref_step_paddle import STEP_PADDLE_TENSORS  # noqa: E402
 from paddle_step.state import EngineConfig  # noqa: E402
+from paddle_step.tensor_table import STEP_PADDLE_OUTPUTS, STEP_PADDLE_TENSORS  # noqa: E402
 
 FULL_BATCHES = (1, 8, 64, 256)
 QUICK_BATCHES = (1, 8)
@@ -70,10 +66,8 @@ BLOCK_SIZE = 16
 MAX_MODEL_LEN = 320  # 32-token prompts + 256 new tokens fit
 MAX_NEW_TOKENS = 256
 PROMPT_LEN_RANGE = (8, 32)
-# The inputs step_paddle writes (SPEC: all but these four), by argument index.
-STEP_PADDLE_WRITTEN = tuple(
-    index for index, name in enumerate(STEP_PADDLE_TENSORS)
-    if name not in ("ori_seq_lens_encoder", "pre_ids", "step_idx", "next_tokens"))
+# The inputs step_paddle writes, by argument index.
+STEP_PADDLE_WRITTEN = tuple(STEP_PADDLE_TENSORS.index(name) for name in STEP_PADDLE_OUTPUTS)
 PHASES = ("admit", "forward", "sampling", "post_process", "step_paddle", "advance_step",
           "advance_step_op", "host")
 # Phases that are disjoint parts of Engine.step (advance_step_op is inside advance_step).
@@ -139,31 +133,41 @@ class StepProbe:
             return result
         return wrapper
 
-    def install(self) -> None:
+    # (phase, part of the engine, method): the disjoint parts of Engine.step.
+    def _methods(self):
         engine = self.engine
-        for phase, attr in (("admit", "_admit"), ("forward", "_forward"),
-                            ("post_process", "_update_inputs"),
-                            ("advance_step", "_advance_decode_inputs")):
-            setattr(engine, attr, self._timed(phase, getattr(engine, attr)))
-        engine._uniforms = self._timed("sampling", engine._uniforms)
-        engine._sync_host = self._timed("host", engine._sync_host)
-        engine._retire = self._timed("host", engine._retire)
-        self._saved = {name: getattr(engine_module, name)
+        return (
+            ("admit", engine.scheduler, "admit"),
+            ("admit", engine.runner, "write_admitted"),
+            ("forward", engine.runner, "forward"),
+            ("sampling", engine, "_uniforms"),
+            ("post_process", engine.runner, "update_inputs"),
+            ("advance_step", engine.runner, "advance_decode_inputs"),
+            ("host", engine.runner, "sync_host"),
+            ("host", engine.scheduler, "record"),
+            ("host", engine, "_count"),
+            ("host", engine.scheduler, "retire"),
+            ("host", engine.runner, "clear_slots"),
+        )
+
+    def install(self) -> None:
+        for phase, owner, attr in self._methods():
+            setattr(owner, attr, self._timed(phase, getattr(owner, attr)))
+        self._saved = {name: getattr(runner_module, name)
                        for name in ("sample_tokens", "step_paddle", "advance_step")}
-        engine_module.sample_tokens = self._timed("sampling", self._saved["sample_tokens"])
-        engine_module.step_paddle = self._op_probe(
+        runner_module.sample_tokens = self._timed("sampling", self._saved["sample_tokens"])
+        runner_module.step_paddle = self._op_probe(
             "step_paddle", self._saved["step_paddle"],
             lambda args: [args[i] for i in STEP_PADDLE_WRITTEN])
-        engine_module.advance_step = self._op_probe(
+        runner_module.advance_step = self._op_probe(
             "advance_step", self._saved["advance_step"],
             lambda args: [args[0], args[2], args[3], args[4]])
 
     def uninstall(self) -> None:
         for name, fn in self._saved.items():
-            setattr(engine_module, name, fn)
-        for attr in ("_admit", "_forward", "_update_inputs", "_advance_decode_inputs",
-                     "_uniforms", "_sync_host", "_retire"):
-            self.engine.__dict__.pop(attr, None)
+            setattr(runner_module, name, fn)
+        for _, owner, attr in self._methods():
+            owner.__dict__.pop(attr, None)
 
     def reset(self) -> None:
         for phase in self.current:
@@ -214,7 +218,7 @@ def bench_batch(batch: int, steps: int, warmup: int, seed: int = 0) -> dict:
         finally:
             gc.enable()
         tokens = engine.stats.generated_tokens - tokens_before
-        running = int(engine._running.sum())
+        running = int(engine.scheduler.running.sum())
     finally:
         probe.uninstall()
 

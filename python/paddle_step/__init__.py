@@ -13,8 +13,8 @@ _LAZY = {
     "advance_step": ".ops",
     "step_paddle": ".ops",
     "Engine": ".engine",
-    "GenerationResult": ".engine",
-    "GenerationStats": ".engine",
+    "GenerationResult": ".sequence",
+    "GenerationStats": ".sequence",
     "EngineConfig": ".state",
 }
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import paddle
 
-from .engine import FINISH_EOS, FINISH_LENGTH, GenerationResult, GenerationStats
+from .sequence import FINISH_EOS, FINISH_LENGTH, GenerationResult, GenerationStats
 from .model import TinyLlama
 from .sampling import sample_tokens, sampling_uniforms
 
