@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Per-call latency of ``step_paddle`` and ``advance_step`` against their baselines.
 
-States are captured from ``tests/fake_decode_loop.FakeDecodeLoop`` (the op drives the loop
+States are captured from ``paddle_step.testing.fake_decode_loop.FakeDecodeLoop`` (the op drives the loop
 until the captured call), in two scenarios:
 
 - ``preempt``: a decoder pool of max(B, 32) blocks; the captured step_paddle call is the
@@ -46,11 +46,6 @@ import time
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for _sub in ("tests", "python"):
-    if str(ROOT / _sub) not in sys.path:
-        sys.path.insert(0, str(ROOT / _sub))
-
 import zlib  # noqa: F401,E402  isort: skip  (see tests/conftest.py)
 
 import numpy as np  # noqa: E402
@@ -61,14 +56,10 @@ from paddle import _C_ops  # noqa: E402
 
 import paddle_step  # noqa: E402
 import paddle_step_ops  # noqa: E402
-from fake_decode_loop import FakeDecodeLoop  # noqa: E402
-from ref_advance_step import ref_advance_step  # noqa: E402
-from ref_step_paddle import STEP_PADDLE_TENSORS, ref_step_paddle  # noqa: E402
-
-# The inputs step_paddle writes (SPEC: all but these four).
-STEP_PADDLE_OUTPUTS = tuple(
-    name for name in STEP_PADDLE_TENSORS
-    if name not in ("ori_seq_lens_encoder", "pre_ids", "step_idx", "next_tokens"))
+from paddle_step.tensor_table import STEP_PADDLE_OUTPUTS, STEP_PADDLE_TENSORS  # noqa: E402
+from paddle_step.testing.fake_decode_loop import FakeDecodeLoop  # noqa: E402
+from paddle_step.testing.ref_advance_step import ref_advance_step  # noqa: E402
+from paddle_step.testing.ref_step_paddle import ref_step_paddle  # noqa: E402
 
 FULL_BATCHES = (1, 8, 64, 256, 1024, 4096)
 QUICK_BATCHES = (8, 256)

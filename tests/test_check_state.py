@@ -5,9 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fake_decode_loop import FakeDecodeLoop, add_preempted, add_running, make_state
 from paddle_step.check_state import StateError, check_state
-from ref_step_paddle import STEP_PADDLE_TENSORS, ref_step_paddle
+from paddle_step.tensor_table import STEP_PADDLE_TENSORS
+from paddle_step.testing.fake_decode_loop import (
+    FakeDecodeLoop,
+    add_preempted,
+    add_running,
+    make_state,
+)
+from paddle_step.testing.ref_step_paddle import ref_step_paddle
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16

@@ -18,10 +18,16 @@ from hypothesis import strategies as st
 
 import paddle_step
 from paddle_step.check_state import check_state
-from fake_decode_loop import FakeDecodeLoop, add_preempted, add_running, make_state
-from ref_advance_step import ref_advance_step
-from ref_step_paddle import ref_step_paddle
-from test_step_paddle import assert_same_bytes, random_state, run_op
+from paddle_step.testing.fake_decode_loop import (
+    FakeDecodeLoop,
+    add_preempted,
+    add_running,
+    make_state,
+)
+from paddle_step.testing.paddle_ops import run_step_paddle
+from paddle_step.testing.ref_advance_step import ref_advance_step
+from paddle_step.testing.ref_step_paddle import ref_step_paddle
+from paddle_step.testing.step_paddle_cases import assert_same_bytes, random_state
 
 FUZZ = settings(max_examples=60, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow])
@@ -42,7 +48,7 @@ def test_serving_states_keep_invariants(batch, block_size, seed, tight, stopped_
                           stopped_shape=stopped_shape)
 
     def step(state):
-        got = run_op(state, block_size)
+        got = run_step_paddle(state, block_size)
         assert_same_bytes(got, ref_step_paddle(state, block_size))
         check_state(got, block_size, decoder_blocks=loop.decoder_block_ids)
         return got
@@ -95,7 +101,7 @@ def test_stopped_preempted_slots_with_tokens_conserve_blocks(batch, block_size, 
     state["free_list_len"][0] = len(pool)
     before = decoder_blocks_held(state, first_decoder_block)
 
-    got = run_op(state, block_size)
+    got = run_step_paddle(state, block_size)
     assert_same_bytes(got, ref_step_paddle(state, block_size))
     after = decoder_blocks_held(got, first_decoder_block)
     assert after == before, f"decoder blocks before {before}, after {after}"
@@ -107,7 +113,7 @@ def test_any_state_matches_reference(batch, block_size, seed):
     # Includes states no loop produces: the bounds rules must agree and the
     # call must return.
     state = random_state(batch, np.random.default_rng(seed))
-    assert_same_bytes(run_op(state, block_size), ref_step_paddle(state, block_size))
+    assert_same_bytes(run_step_paddle(state, block_size), ref_step_paddle(state, block_size))
 
 
 @FUZZ
@@ -146,8 +152,8 @@ INVALID_CALLS = textwrap.dedent("""
     import numpy as np
     import paddle
     import paddle_step
-    from fake_decode_loop import make_state
-    from ref_step_paddle import STEP_PADDLE_TENSORS
+    from paddle_step.tensor_table import STEP_PADDLE_DTYPES, STEP_PADDLE_TENSORS
+    from paddle_step.testing.fake_decode_loop import make_state
 
     rng = np.random.default_rng(int(sys.argv[1]))
     outcomes = []
@@ -163,13 +169,6 @@ INVALID_CALLS = textwrap.dedent("""
             return np.zeros(array.shape + (2,), array.dtype)
         return np.zeros((array.shape[0] + int(rng.integers(1, 3)),) + array.shape[1:], array.dtype)
 
-    def step_paddle_dtypes(name):
-        if name in ("stop_flags", "is_block_step"):
-            return ["bool"]
-        if name in ("input_ids", "pre_ids", "step_idx", "next_tokens", "first_token_ids"):
-            return ["int64"]
-        return ["int32"]
-
     for trial in range(40):
         state = make_state(3, 4, 16, free_list=[9, 8, 7])
         name = STEP_PADDLE_TENSORS[rng.integers(0, len(STEP_PADDLE_TENSORS))]
@@ -177,7 +176,7 @@ INVALID_CALLS = textwrap.dedent("""
         if rng.random() < 0.15:
             name, block_size = "block_size", int(rng.integers(-3, 1))
         else:
-            state[name] = mutate(state[name], step_paddle_dtypes(name),
+            state[name] = mutate(state[name], [STEP_PADDLE_DTYPES[name].name],
                                  first_dim_fixed=name != "free_list")
         tensors = [paddle.to_tensor(state[key]) for key in STEP_PADDLE_TENSORS]
         try:
@@ -218,11 +217,9 @@ INVALID_CALLS = textwrap.dedent("""
 def test_invalid_inputs_raise_and_never_crash(tmp_path):
     script = tmp_path / "invalid_calls.py"
     script.write_text(INVALID_CALLS)
-    tests_dir = str(__import__("pathlib").Path(__file__).parent)
     for seed in range(3):
-        result = subprocess.run([sys.executable, str(script), str(seed)], cwd=tests_dir,
-                                capture_output=True, text=True, timeout=120,
-                                env={**__import__("os").environ, "PYTHONPATH": tests_dir})
+        result = subprocess.run([sys.executable, str(script), str(seed)], cwd=tmp_path,
+                                capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, f"child crashed ({result.returncode}): {result.stderr[-2000:]}"
         outcomes = json.loads(result.stdout.strip().splitlines()[-1])
         for op, name, message in outcomes:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fake_decode_loop import (
+from paddle_step.check_state import StateError, check_state
+from paddle_step.tensor_table import STEP_PADDLE_TENSORS
+from paddle_step.testing.fake_decode_loop import (
     FakeDecodeLoop,
     FakeLoopError,
     add_preempted,
@@ -17,8 +19,7 @@ from fake_decode_loop import (
     make_state,
     token_at,
 )
-from paddle_step.check_state import StateError, check_state
-from ref_step_paddle import STEP_PADDLE_TENSORS, ref_step_paddle
+from paddle_step.testing.ref_step_paddle import ref_step_paddle
 
 
 def copy_state(state):

@@ -16,47 +16,18 @@ from __future__ import annotations
 import ctypes
 import importlib
 import statistics
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+# NumPy only: found through PYTHONPATH=python (tests/gpu/Makefile) or an install.
+from paddle_step.tensor_table import STEP_PADDLE_DTYPES, STEP_PADDLE_TABLE, STEP_PADDLE_TENSORS
+from paddle_step.testing.advance_step_cases import ADVANCE_STEP_OUTPUTS
+
 REPO = Path(__file__).resolve().parents[2]
 LIBRARY = REPO / "tests" / "gpu" / "build" / "libpaddle_step_gpu_test.so"
-
-
-def _import_references():
-    """Imports tests/ref_step_paddle.py (and so fake_decode_loop.py).
-
-    Its tensor names come from paddle_step.check_state, which needs only NumPy
-    (the package loads paddle and the compiled op lazily). On a GPU machine
-    where the package is not installed, it is taken from python/."""
-    try:
-        importlib.import_module("paddle_step.check_state")
-    except ImportError:
-        sys.path.insert(0, str(REPO / "python"))
-    return importlib.import_module("ref_step_paddle")
-
-
-try:
-    STEP_PADDLE_TENSORS = _import_references().STEP_PADDLE_TENSORS
-    REFERENCES_ERROR = None
-except Exception as error:  # noqa: BLE001  the gpu fixture skips with it
-    STEP_PADDLE_TENSORS = ()
-    REFERENCES_ERROR = f"tests/ref_step_paddle.py does not import: {error!r}"
-
-# SPEC's dtypes of the 22 step_paddle tensors.
-STEP_PADDLE_DTYPES = {
-    name: np.dtype(np.bool_) if name in ("stop_flags", "is_block_step")
-    else np.dtype(np.int64) if name in ("input_ids", "pre_ids", "step_idx", "next_tokens",
-                                        "first_token_ids")
-    else np.dtype(np.int32)
-    for name in STEP_PADDLE_TENSORS
-}
-LENGTH_ONE = ("step_lens", "recover_lens", "need_block_len", "free_list_len")
-ADVANCE_STEP_OUTPUTS = ("input_tokens", "input_positions", "seq_lens", "slot_mapping")
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -247,15 +218,14 @@ class GpuHarness:
             assert _dtype(buffers[name]) == STEP_PADDLE_DTYPES[name], name
         shape = {name: tuple(buffers[name].shape) for name in STEP_PADDLE_TENSORS}
         batch = shape["stop_flags"][0]
-        for name in STEP_PADDLE_TENSORS:
-            if name in ("block_tables", "input_ids", "pre_ids"):
-                assert len(shape[name]) == 2 and shape[name][0] == batch, (name, shape[name])
-            elif name in LENGTH_ONE:
-                assert shape[name] == (1,), (name, shape[name])
-            elif name == "free_list":
-                assert len(shape[name]) == 1, (name, shape[name])
-            else:
-                assert shape[name] in ((batch,), (batch, 1)), (name, shape[name])
+        allowed = {"[B]": lambda s: s == (batch,),
+                   "[B or B,1]": lambda s: s in ((batch,), (batch, 1)),
+                   "[N]": lambda s: len(s) == 1,
+                   "[1]": lambda s: s == (1,)}
+        for spec in STEP_PADDLE_TABLE:
+            # [B,M], [B,L], [B,P]: two dimensions, B rows.
+            fits = allowed.get(spec.shape, lambda s: len(s) == 2 and s[0] == batch)
+            assert fits(shape[spec.name]), (spec.name, spec.shape, shape[spec.name])
         count = self.lib.paddle_step_step_paddle_tensor_count()
         assert count == len(STEP_PADDLE_TENSORS)
         pointers = (_P * count)(*(self.pointer(buffers[name]) for name in STEP_PADDLE_TENSORS))
@@ -339,8 +309,6 @@ def _bits(buffer) -> int:
 
 @pytest.fixture(scope="session")
 def gpu():
-    if REFERENCES_ERROR:
-        pytest.skip(REFERENCES_ERROR)
     if not LIBRARY.exists():
         pytest.skip(f"{LIBRARY} is not built "
                     "(make gpu-test, or make -C tests/gpu build)")

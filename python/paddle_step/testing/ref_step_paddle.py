@@ -1,4 +1,4 @@
-"""Sequential NumPy reference of SPEC's ``step_paddle`` (/work/shared/SPEC.md).
+"""Sequential NumPy reference of ``step_paddle`` as docs/SPEC.md states it.
 
 Written for clarity, not speed: one slot at a time, in the order SPEC fixes, so
 that every build of the op can be compared with it byte for byte.
@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from paddle_step.check_state import STEP_PADDLE_TENSORS  # SPEC's 22 names, in order
+from ..tensor_table import STEP_PADDLE_TENSORS
 
 
 def c_div(numerator: int, denominator: int) -> int:

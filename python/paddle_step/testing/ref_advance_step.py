@@ -1,4 +1,4 @@
-"""Plain NumPy reference of SPEC.md's advance_step, one row at a time."""
+"""Plain NumPy reference of ``advance_step`` (docs/SPEC.md), one row at a time."""
 
 import numpy as np
 

@@ -24,24 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ref_step_paddle import STEP_PADDLE_TENSORS
+from ..tensor_table import STEP_PADDLE_TABLE, STEP_PADDLE_TENSORS, names_of_kind
 
-# Tensors SPEC allows as [B] or [B, 1]; is_block_step is always [B].
-COLUMN_CAPABLE = (
-    "stop_flags",
-    "seq_lens_this_time",
-    "ori_seq_lens_encoder",
-    "seq_lens_encoder",
-    "seq_lens_decoder",
-    "encoder_block_lens",
-    "used_list_len",
-    "step_block_list",
-    "recover_block_list",
-    "need_block_list",
-    "step_idx",
-    "next_tokens",
-    "first_token_ids",
-)
+# Tensors SPEC allows as [B] or [B, 1]; stopped_shape="[B,1]" gives them that shape.
+COLUMN_CAPABLE = names_of_kind("[B or B,1]")
 STOPPED_SHAPES = ("[B]", "[B,1]")
 VOCAB_SIZE = 50_000
 
@@ -97,27 +83,23 @@ def make_state(
     _check_stopped_shape(stopped_shape)
     free_list = list(free_list)
     size = free_list_size if free_list_size is not None else max(len(free_list), 1)
-    pool = np.full(size, -1, np.int32)
-    pool[: len(free_list)] = free_list
-    flat = {
-        "stop_flags": np.ones(batch_size, np.bool_),
-        "is_block_step": np.zeros(batch_size, np.bool_),
-        "block_tables": np.full((batch_size, blocks_per_seq), -1, np.int32),
-        "free_list": pool,
-        "free_list_len": np.array([len(free_list) if free_list_len is None else free_list_len], np.int32),
-        "input_ids": np.zeros((batch_size, max_model_len), np.int64),
-        "pre_ids": np.full((batch_size, pre_ids_len or max_model_len), -1, np.int64),
-        "step_idx": np.zeros(batch_size, np.int64),
-        "next_tokens": np.full(batch_size, -1, np.int64),
-        "first_token_ids": np.full(batch_size, -1, np.int64),
+    shapes = {
+        "[B]": (batch_size,),
+        "[B or B,1]": (batch_size,),
+        "[B,M]": (batch_size, blocks_per_seq),
+        "[N]": (size,),
+        "[1]": (1,),
+        "[B,L]": (batch_size, max_model_len),
+        "[B,P]": (batch_size, pre_ids_len or max_model_len),
     }
-    for name in ("seq_lens_this_time", "ori_seq_lens_encoder", "seq_lens_encoder",
-                 "seq_lens_decoder", "encoder_block_lens", "used_list_len"):
-        flat[name] = np.zeros(batch_size, np.int32)
-    for name in ("step_block_list", "recover_block_list", "need_block_list"):
-        flat[name] = np.full(batch_size, -1, np.int32)
-    for name in ("step_lens", "recover_lens", "need_block_len"):
-        flat[name] = np.zeros(1, np.int32)
+    flat = {spec.name: np.zeros(shapes[spec.shape], spec.dtype) for spec in STEP_PADDLE_TABLE}
+    # An empty slot is stopped and holds nothing: -1 marks "no block / no entry / no token".
+    flat["stop_flags"][:] = True
+    for name in ("block_tables", "step_block_list", "recover_block_list", "need_block_list",
+                 "free_list", "pre_ids", "next_tokens", "first_token_ids"):
+        flat[name][:] = -1
+    flat["free_list"][: len(free_list)] = free_list
+    flat["free_list_len"][0] = len(free_list) if free_list_len is None else free_list_len
     return _shaped(flat, stopped_shape)
 
 
