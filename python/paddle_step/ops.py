@@ -8,24 +8,12 @@ registered ``static_op_*`` op to the program. Both run the same kernels.
 
 from __future__ import annotations
 
-import warnings
-
 import paddle
+import paddle_step_ops as _library
 
-with warnings.catch_warnings():
-    # Paddle's generated loader warns about ccache on every import: a build
-    # concern, not a user's.
-    warnings.filterwarnings("ignore", message="No ccache found")
-    import paddle_step_ops as _library
-
-from .check_state import STEP_PADDLE_TENSORS
+from .tensor_table import STEP_PADDLE_OUTPUTS, STEP_PADDLE_TENSORS
 
 _in_dynamic_mode = paddle.in_dynamic_mode
-# The inputs step_paddle writes, in the order of its outputs.
-STEP_PADDLE_OUTPUTS = tuple(
-    name for name in STEP_PADDLE_TENSORS
-    if name not in ("ori_seq_lens_encoder", "pre_ids", "step_idx", "next_tokens")
-)
 
 
 def _describe(tensors):
@@ -51,7 +39,7 @@ def step_paddle(stop_flags, seq_lens_this_time, ori_seq_lens_encoder,
                 need_block_len, used_list_len, free_list, free_list_len,
                 input_ids, pre_ids, step_idx, next_tokens, first_token_ids,
                 block_size, encoder_decoder_block_num):
-    """One KV-block scheduling step, in place (see SPEC.md, step_paddle).
+    """One KV-block scheduling step, in place (docs/SPEC.md, step_paddle).
 
     Arguments are FastDeploy's, in FastDeploy's order. Returns None.
     """
@@ -81,7 +69,7 @@ def step_paddle(stop_flags, seq_lens_this_time, ori_seq_lens_encoder,
 def advance_step(input_tokens, sampled_token_ids, input_positions, seq_lens,
                  slot_mapping, block_tables, num_seqs, num_queries, block_size,
                  *, active=None):
-    """Advances the next decode inputs in place (see SPEC.md, advance_step).
+    """Advances the next decode inputs in place (docs/SPEC.md, advance_step).
 
     Rows ``i < num_queries`` with ``active[i]`` (when given) get the sampled
     token, their position, ``seq_lens + 1`` and their KV slot; the other rows
