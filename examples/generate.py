@@ -18,15 +18,23 @@ import json
 import math
 import string
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
-from tqdm import tqdm
 
-from paddle_step.engine import Engine, GenerationResult, GenerationStats
+from paddle_step.check_state import StateError
+from paddle_step.engine import Engine
 from paddle_step.model import ModelConfig, TinyLlama
 from paddle_step.naive import generate_naive
+from paddle_step.sequence import GenerationResult, GenerationStats
 from paddle_step.state import EngineConfig
 from paddle_step.tokenizer import ByteTokenizer
+
+try:  # optional: only the progress bar needs it
+    from tqdm import tqdm
+except ImportError:
+    tqdm = None
 
 BUILT_IN_PROMPTS = [
     "Hello, my name is",
@@ -98,6 +106,19 @@ def engine_config(args: argparse.Namespace, prompts: list[list[int]]) -> EngineC
                         decoder_pool_ratio=args.decoder_pool_ratio)
 
 
+@contextmanager
+def progress_bar(total: int) -> Iterator[Callable[[int], object]]:
+    """Yields ``update(finished_count)`` of a progress bar on stderr; without tqdm, says
+    so in one line and yields a no-op."""
+    if tqdm is None:
+        print("generate.py: no progress bar (optional package 'tqdm' not installed)",
+              file=sys.stderr)
+        yield lambda count: None
+        return
+    with tqdm(total=total, unit="req", file=sys.stderr, desc="generating") as bar:
+        yield bar.update
+
+
 def run(args: argparse.Namespace) -> tuple[list[GenerationResult], GenerationStats]:
     """Decodes the requested prompts with the engine (or the naive reference)."""
     tokenizer = ByteTokenizer()
@@ -106,30 +127,27 @@ def run(args: argparse.Namespace) -> tuple[list[GenerationResult], GenerationSta
     model = TinyLlama(ModelConfig(dtype=args.dtype, seed=args.seed))
     try:
         config = engine_config(args, prompts)
-        if not args.naive:
-            engine = Engine(model, config, tokenizer=tokenizer, seed=args.seed,
-                            check_state=args.check_state)
-            request_ids = [
-                engine.add_request(prompt, args.max_new_tokens, temperature=args.temperature,
-                                   top_p=args.top_p)
-                for prompt in prompts
-            ]
-    except ValueError as error:  # a budget or request the engine cannot run
+        engine = None if args.naive else Engine(
+            model, config, tokenizer=tokenizer, seed=args.seed, check_state=args.check_state)
+    except ValueError as error:  # a budget the engine cannot run
         raise SystemExit(f"generate.py: {error}") from None
 
-    with tqdm(total=len(prompts), unit="req", file=sys.stderr, desc="generating") as bar:
-        if args.naive:
+    with progress_bar(len(prompts)) as update:
+        if engine is None:
             return generate_naive(
                 model, prompts, args.max_new_tokens, eos_token_id=tokenizer.eos_id,
                 temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                max_model_len=config.max_model_len, on_finished=bar.update,
+                max_model_len=config.max_model_len, on_finished=update,
             )
-        finished: dict[int, GenerationResult] = {}
-        while engine.has_unfinished():
-            done = engine.step()
-            finished.update((result.request_id, result) for result in done)
-            bar.update(len(done))
-        return [finished[request_id] for request_id in request_ids], engine.stats
+        try:
+            results = engine.generate(prompts, args.max_new_tokens,
+                                      temperature=args.temperature, top_p=args.top_p,
+                                      on_finished=update)
+        except StateError:  # --check-state found a broken state: a bug, keep the trace
+            raise
+        except ValueError as error:  # a request the engine cannot run (before any step)
+            raise SystemExit(f"generate.py: {error}") from None
+        return results, engine.stats
 
 
 def print_report(args: argparse.Namespace, results: list[GenerationResult],

@@ -118,3 +118,17 @@ def test_example_json_matches_naive_json():
         [r["token_ids"] for r in naive_run["requests"]]
     assert [r["finish_reason"] for r in engine_run["requests"]] == \
         [r["finish_reason"] for r in naive_run["requests"]]
+
+
+def test_example_runs_without_tqdm():
+    # tqdm is optional: without it the example says so in one line and runs on.
+    script = REPO / "examples" / "generate.py"
+    code = ("import runpy, sys; sys.modules['tqdm'] = None; "
+            f"sys.argv = [{str(script)!r}, '--max-new-tokens', '4', '--json']; "
+            f"runpy.run_path({str(script)!r}, run_name='__main__')")
+    completed = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                               text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "Traceback" not in completed.stderr
+    assert "optional package 'tqdm' not installed" in completed.stderr
+    assert len(json.loads(completed.stdout)["requests"]) == 6
