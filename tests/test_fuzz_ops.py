@@ -29,23 +29,35 @@ from paddle_step.testing.ref_advance_step import ref_advance_step
 from paddle_step.testing.ref_step_paddle import ref_step_paddle
 from paddle_step.testing.step_paddle_cases import assert_same_bytes, random_state
 
-FUZZ = settings(max_examples=60, deadline=None,
-                suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @FUZZ
-@given(batch=st.integers(1, 12), block_size=st.sampled_from([1, 2, 4, 8]),
-       seed=st.integers(0, 2**32 - 1), tight=st.booleans(),
-       stopped_shape=st.sampled_from(["[B]", "[B,1]"]))
+@given(
+    batch=st.integers(1, 12),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    seed=st.integers(0, 2**32 - 1),
+    tight=st.booleans(),
+    stopped_shape=st.sampled_from(["[B]", "[B,1]"]),
+)
 def test_serving_states_keep_invariants(batch, block_size, seed, tight, stopped_shape):
     blocks_per_seq = 32 // block_size
     max_len = blocks_per_seq * block_size
     budget = blocks_per_seq  # the largest recovery budget always fits
-    loop = FakeDecodeLoop(batch, max_len, block_size, blocks_per_seq,
-                          budget if tight else budget * batch, 64 * batch, seed=seed,
-                          stop_prob=0.05, prompt_len_range=(1, block_size + 1),
-                          output_len_range=(1, max_len // 2), num_requests=2 * batch,
-                          stopped_shape=stopped_shape)
+    loop = FakeDecodeLoop(
+        batch,
+        max_len,
+        block_size,
+        blocks_per_seq,
+        budget if tight else budget * batch,
+        64 * batch,
+        seed=seed,
+        stop_prob=0.05,
+        prompt_len_range=(1, block_size + 1),
+        output_len_range=(1, max_len // 2),
+        num_requests=2 * batch,
+        stopped_shape=stopped_shape,
+    )
 
     def step(state):
         got = run_step_paddle(state, block_size)
@@ -64,8 +76,9 @@ def decoder_blocks_held(state, first_decoder_block):
 
 
 @FUZZ
-@given(batch=st.integers(1, 12), block_size=st.sampled_from([1, 2, 4]),
-       seed=st.integers(0, 2**32 - 1))
+@given(
+    batch=st.integers(1, 12), block_size=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**32 - 1)
+)
 def test_stopped_preempted_slots_with_tokens_conserve_blocks(batch, block_size, seed):
     # Serving states plus preempted slots whose seq_lens_this_time was left
     # non-zero (as FastDeploy's own test state has): no decoder block may be lost
@@ -83,17 +96,28 @@ def test_stopped_preempted_slots_with_tokens_conserve_blocks(batch, block_size, 
         encoder_blocks = list(range(next_encoder_block, next_encoder_block + encoder_count))
         next_encoder_block += encoder_count
         if kind == 1:
-            held = min(int(rng.integers(0, 3)), len(decoder_ids),
-                       blocks_per_seq - 1 - encoder_count)
+            held = min(
+                int(rng.integers(0, 3)), len(decoder_ids), blocks_per_seq - 1 - encoder_count
+            )
             decoder_blocks = [decoder_ids.pop() for _ in range(held)]
             written = (encoder_count + held) * block_size - int(rng.integers(0, block_size))
-            add_running(state, slot, encoder_blocks=encoder_blocks,
-                        decoder_blocks=decoder_blocks, seq_lens_decoder=written)
+            add_running(
+                state,
+                slot,
+                encoder_blocks=encoder_blocks,
+                decoder_blocks=decoder_blocks,
+                seq_lens_decoder=written,
+            )
         elif kind == 2:
             prompt_len = int(rng.integers(1, block_size * encoder_count + 1))
-            add_preempted(state, slot, encoder_blocks=encoder_blocks,
-                          used_list_len=int(rng.integers(0, 3)), prompt_len=prompt_len,
-                          step_idx=int(rng.integers(1, max_len - prompt_len + 1)))
+            add_preempted(
+                state,
+                slot,
+                encoder_blocks=encoder_blocks,
+                used_list_len=int(rng.integers(0, 3)),
+                prompt_len=prompt_len,
+                step_idx=int(rng.integers(1, max_len - prompt_len + 1)),
+            )
             state["seq_lens_this_time"][slot] = int(rng.integers(1, 3))
             state["seq_lens_decoder"][slot] = int(rng.integers(0, max_len))
     pool = decoder_ids[: int(rng.integers(0, len(decoder_ids) + 1))]
@@ -129,19 +153,27 @@ def test_advance_step_matches_reference(num_seqs, data):
         "input_tokens": rng.integers(-5, 5, num_seqs).astype(np.int64),
         "sampled_token_ids": rng.integers(0, 2**40, (num_queries, 1)).astype(np.int64),
         "input_positions": rng.integers(-5, 5, num_seqs).astype(np.int64),
-        "seq_lens": rng.integers(-3, (blocks_per_seq + 1) * block_size + 3,
-                                 num_seqs).astype(seq_dtype),
+        "seq_lens": rng.integers(-3, (blocks_per_seq + 1) * block_size + 3, num_seqs).astype(
+            seq_dtype
+        ),
         "slot_mapping": rng.integers(-5, 5, num_seqs).astype(np.int64),
         "block_tables": rng.integers(-2, 2**31 - 1, (num_seqs, blocks_per_seq)).astype(table_dtype),
     }
     active = rng.random(num_seqs) < 0.7 if data.draw(st.booleans()) else None
     tensors = {name: paddle.to_tensor(value) for name, value in case.items()}
-    paddle_step.advance_step(*tensors.values(), num_seqs, num_queries, block_size,
-                             active=None if active is None else paddle.to_tensor(active))
-    expected = ref_advance_step(**case, num_seqs=num_seqs, num_queries=num_queries,
-                                block_size=block_size, active=active)
-    for name, want in zip(("input_tokens", "input_positions", "seq_lens", "slot_mapping"),
-                          expected):
+    paddle_step.advance_step(
+        *tensors.values(),
+        num_seqs,
+        num_queries,
+        block_size,
+        active=None if active is None else paddle.to_tensor(active),
+    )
+    expected = ref_advance_step(
+        **case, num_seqs=num_seqs, num_queries=num_queries, block_size=block_size, active=active
+    )
+    for name, want in zip(
+        ("input_tokens", "input_positions", "seq_lens", "slot_mapping"), expected
+    ):
         np.testing.assert_array_equal(tensors[name].numpy(), want, err_msg=name)
 
 
@@ -218,9 +250,16 @@ def test_invalid_inputs_raise_and_never_crash(tmp_path):
     script = tmp_path / "invalid_calls.py"
     script.write_text(INVALID_CALLS)
     for seed in range(3):
-        result = subprocess.run([sys.executable, str(script), str(seed)], cwd=tmp_path,
-                                capture_output=True, text=True, timeout=120)
-        assert result.returncode == 0, f"child crashed ({result.returncode}): {result.stderr[-2000:]}"
+        result = subprocess.run(
+            [sys.executable, str(script), str(seed)],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, (
+            f"child crashed ({result.returncode}): {result.stderr[-2000:]}"
+        )
         outcomes = json.loads(result.stdout.strip().splitlines()[-1])
         for op, name, message in outcomes:
             assert message != "no error", f"{op}: an invalid '{name}' was accepted"

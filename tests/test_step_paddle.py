@@ -18,14 +18,24 @@ from paddle_step.testing.ref_step_paddle import ref_step_paddle
 from paddle_step.testing.step_paddle_cases import assert_same_bytes
 
 
-@pytest.mark.parametrize(cases.LOOP_ARGNAMES,
-                         [pytest.param(*config, id=key)
-                          for key, config in cases.LOOP_CONFIGS.items()])
+@pytest.mark.parametrize(
+    cases.LOOP_ARGNAMES,
+    [pytest.param(*config, id=key) for key, config in cases.LOOP_CONFIGS.items()],
+)
 @pytest.mark.parametrize("stopped_shape", ["[B]", "[B,1]"])
-def test_decode_loop_matches_reference(place, batch, max_len, block_size, blocks_per_seq,
-                                       decoder_blocks, encoder_blocks, stopped_shape):
-    cases.decode_loop(run_op, batch, max_len, block_size, blocks_per_seq, decoder_blocks,
-                      encoder_blocks, stopped_shape)
+def test_decode_loop_matches_reference(
+    place, batch, max_len, block_size, blocks_per_seq, decoder_blocks, encoder_blocks, stopped_shape
+):
+    cases.decode_loop(
+        run_op,
+        batch,
+        max_len,
+        block_size,
+        blocks_per_seq,
+        decoder_blocks,
+        encoder_blocks,
+        stopped_shape,
+    )
 
 
 @pytest.mark.parametrize("batch", cases.RANDOM_STATE_BATCHES)
@@ -45,8 +55,7 @@ def test_empty_pool_all_stopped_and_full_table(place):
     cases.empty_pool_all_stopped_and_full_table(run_op)
 
 
-@pytest.mark.parametrize("step_idx", [np.iinfo(np.int64).min, -5, 0, 1, 30,
-                                      np.iinfo(np.int64).max])
+@pytest.mark.parametrize("step_idx", [np.iinfo(np.int64).min, -5, 0, 1, 30, np.iinfo(np.int64).max])
 def test_recovery_with_extreme_step_idx(place, step_idx):
     # Index arithmetic on step_idx must neither overflow nor leave the rows.
     state = make_state(2, 6, 24, free_list=[10, 11, 12])
@@ -103,29 +112,57 @@ def valid_state():
 
 
 BAD_INPUTS = [
-    ("stop_flags", np.zeros(3, np.int32),
-     "argument 'stop_flags': expected dtype bool, got dtype int32"),
-    ("block_tables", np.zeros((3, 4), np.int64),
-     "argument 'block_tables': expected dtype int32, got dtype int64"),
-    ("input_ids", np.zeros((3, 16), np.int32),
-     "argument 'input_ids': expected dtype int64, got dtype int32"),
-    ("seq_lens_decoder", np.zeros(4, np.int32),
-     "argument 'seq_lens_decoder': expected shape [3] or [3, 1], got shape [4]"),
-    ("is_block_step", np.zeros((3, 1), np.bool_),
-     "argument 'is_block_step': expected shape [3], got shape [3, 1]"),
-    ("block_tables", np.zeros(3, np.int32),
-     "argument 'block_tables': expected shape [3, -1], got shape [3]"),
-    ("free_list_len", np.zeros(2, np.int32),
-     "argument 'free_list_len': expected shape [1], got shape [2]"),
-    ("pre_ids", np.zeros((2, 16), np.int64),
-     "argument 'pre_ids': expected shape [3, -1], got shape [2, 16]"),
-    ("free_list", np.zeros((3, 1), np.int32),
-     "argument 'free_list': expected shape [-1], got shape [3, 1]"),
+    (
+        "stop_flags",
+        np.zeros(3, np.int32),
+        "argument 'stop_flags': expected dtype bool, got dtype int32",
+    ),
+    (
+        "block_tables",
+        np.zeros((3, 4), np.int64),
+        "argument 'block_tables': expected dtype int32, got dtype int64",
+    ),
+    (
+        "input_ids",
+        np.zeros((3, 16), np.int32),
+        "argument 'input_ids': expected dtype int64, got dtype int32",
+    ),
+    (
+        "seq_lens_decoder",
+        np.zeros(4, np.int32),
+        "argument 'seq_lens_decoder': expected shape [3] or [3, 1], got shape [4]",
+    ),
+    (
+        "is_block_step",
+        np.zeros((3, 1), np.bool_),
+        "argument 'is_block_step': expected shape [3], got shape [3, 1]",
+    ),
+    (
+        "block_tables",
+        np.zeros(3, np.int32),
+        "argument 'block_tables': expected shape [3, -1], got shape [3]",
+    ),
+    (
+        "free_list_len",
+        np.zeros(2, np.int32),
+        "argument 'free_list_len': expected shape [1], got shape [2]",
+    ),
+    (
+        "pre_ids",
+        np.zeros((2, 16), np.int64),
+        "argument 'pre_ids': expected shape [3, -1], got shape [2, 16]",
+    ),
+    (
+        "free_list",
+        np.zeros((3, 1), np.int32),
+        "argument 'free_list': expected shape [-1], got shape [3, 1]",
+    ),
 ]
 
 
-@pytest.mark.parametrize("name,value,message", BAD_INPUTS,
-                         ids=[f"{case[0]}-{i}" for i, case in enumerate(BAD_INPUTS)])
+@pytest.mark.parametrize(
+    "name,value,message", BAD_INPUTS, ids=[f"{case[0]}-{i}" for i, case in enumerate(BAD_INPUTS)]
+)
 def test_bad_input_raises_before_writing(name, value, message):
     state = valid_state()
     state[name] = value
@@ -140,8 +177,9 @@ def test_bad_input_raises_before_writing(name, value, message):
 def test_bad_block_size_raises():
     state = valid_state()
     tensors = [paddle.to_tensor(state[name]) for name in STEP_PADDLE_TENSORS]
-    with pytest.raises(ValueError, match="argument 'block_size': expected a positive "
-                                         "integer, got 0"):
+    with pytest.raises(
+        ValueError, match="argument 'block_size': expected a positive integer, got 0"
+    ):
         paddle_step.step_paddle(*tensors, 0, 0)
 
 

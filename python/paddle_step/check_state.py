@@ -83,7 +83,9 @@ def _check_layout(arrays: Mapping[str, np.ndarray]) -> list[str]:
         if problem:
             problems.append(problem)
         if array.dtype != spec.dtype:
-            problems.append(f"{spec.name}: expected dtype {spec.dtype.name}, got {array.dtype.name}")
+            problems.append(
+                f"{spec.name}: expected dtype {spec.dtype.name}, got {array.dtype.name}"
+            )
     return problems
 
 
@@ -136,14 +138,18 @@ def _check_lengths_and_lists(
     for slot in np.flatnonzero(is_block_step).tolist():
         if slot not in listed_slots:
             problems.append(
-                f"slot {slot} is preempted (is_block_step) but not in "
-                f"step_block_list[:{step_lens}]"
+                f"slot {slot} is preempted (is_block_step) but not in step_block_list[:{step_lens}]"
             )
         if not flat["stop_flags"][slot]:
             problems.append(f"slot {slot} is preempted (is_block_step) but stop_flags is false")
 
-    for name in ("seq_lens_this_time", "seq_lens_encoder", "seq_lens_decoder",
-                 "encoder_block_lens", "used_list_len"):
+    for name in (
+        "seq_lens_this_time",
+        "seq_lens_encoder",
+        "seq_lens_decoder",
+        "encoder_block_lens",
+        "used_list_len",
+    ):
         for slot in np.flatnonzero(flat[name] < 0).tolist():
             problems.append(f"slot {slot}: {name} is {int(flat[name][slot])}, expected >= 0")
     return problems
@@ -282,14 +288,17 @@ def _missing_write_blocks(
     last_position = first_position + this_time - 1
     missing = [
         column
-        for column in range(_c_div(first_position, block_size),
-                            _c_div(last_position, block_size) + 1)
+        for column in range(
+            _c_div(first_position, block_size), _c_div(last_position, block_size) + 1
+        )
         if not 0 <= column < row.size or row[column] == -1
     ]
     if not missing:
         return []
-    what = "its next write position" if first_position == last_position else (
-        f"its tokens at positions {first_position}..{last_position}"
+    what = (
+        "its next write position"
+        if first_position == last_position
+        else (f"its tokens at positions {first_position}..{last_position}")
     )
     return [
         f"slot {slot} is running but has no block in column(s) {missing} for {what} "

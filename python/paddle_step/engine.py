@@ -106,7 +106,11 @@ class Engine:
         ``max_model_len``, more prompt blocks than the encoder region holds).
         """
         request = Request.validated(
-            self._next_request_id, prompt_ids, max_new_tokens, eos_token_id, temperature,
+            self._next_request_id,
+            prompt_ids,
+            max_new_tokens,
+            eos_token_id,
+            temperature,
             top_p,
             default_eos_token_id=self.tokenizer.eos_id if self.tokenizer is not None else -1,
             vocab_size=self.model.config.vocab_size,

@@ -373,7 +373,9 @@ class TinyLlama(nn.Layer):
             length = ids.shape[0]
             causal = paddle.tril(paddle.ones([length, length], dtype="bool"))
 
-            def self_attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> paddle.Tensor:
+            def self_attention(
+                q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor
+            ) -> paddle.Tensor:
                 return self._grouped_attention(
                     q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal
                 ).squeeze(0)

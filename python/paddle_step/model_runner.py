@@ -64,12 +64,18 @@ class ModelRunner:
         def write(tensor: paddle.Tensor, values) -> None:
             """Rows ``slots`` of ``tensor`` = ``values`` (one per slot, or one for all)."""
             rows = np.broadcast_to(np.asarray(values), [count, *tensor.shape[1:]])
-            paddle.scatter_(tensor, index, paddle.to_tensor(
-                np.ascontiguousarray(rows), dtype=tensor.dtype, place=state.place))
+            paddle.scatter_(
+                tensor,
+                index,
+                paddle.to_tensor(np.ascontiguousarray(rows), dtype=tensor.dtype, place=state.place),
+            )
 
         write(state.input_ids, input_rows)
-        for lengths in (state.seq_lens_this_time, state.seq_lens_encoder,
-                        state.ori_seq_lens_encoder):
+        for lengths in (
+            state.seq_lens_this_time,
+            state.seq_lens_encoder,
+            state.ori_seq_lens_encoder,
+        ):
             write(lengths, prompt_lens)
         write(state.seq_lens_decoder, 0)
         write(state.step_idx, 0)
@@ -90,16 +96,22 @@ class ModelRunner:
     def forward(self) -> paddle.Tensor:
         """Logits [B, vocab] of every running slot's last token this step."""
         state = self.state
-        batch = build_flat_batch(state.input_ids, state.seq_lens_this_time,
-                                 state.seq_lens_decoder, state.block_tables,
-                                 self.config.block_size)
+        batch = build_flat_batch(
+            state.input_ids,
+            state.seq_lens_this_time,
+            state.seq_lens_decoder,
+            state.block_tables,
+            self.config.block_size,
+        )
         # Decode rows take the token, position and KV slot advance_step prepared.
         rows = batch["token_rows"]
         # Gathered as int32: paddle 2.6 has no CPU gather kernel for bool.
         is_decode = paddle.gather(state.decode_active.astype("int32"), rows) != 0
-        for key, prepared in (("input_ids", state.input_tokens),
-                              ("positions", state.input_positions),
-                              ("slot_mapping", state.slot_mapping)):
+        for key, prepared in (
+            ("input_ids", state.input_tokens),
+            ("positions", state.input_positions),
+            ("slot_mapping", state.slot_mapping),
+        ):
             batch[key] = paddle.where(is_decode, paddle.gather(prepared, rows), batch[key])
         return self.model.forward_paged(**batch, kv_cache=self.kv_cache)
 
@@ -127,7 +139,8 @@ class ModelRunner:
         # add_request keeps prompt + max_new_tokens within max_model_len, so this stop
         # also keeps every pre_ids / input_ids write inside its row.
         finished = paddle.logical_and(
-            ran, (tokens == state.eos_token_id) | (state.step_idx >= state.max_new_tokens))
+            ran, (tokens == state.eos_token_id) | (state.step_idx >= state.max_new_tokens)
+        )
         # pre_ids[b, step_idx[b]] = token; rows that did not run write column 0, unread.
         column = (state.step_idx * ran_count).unsqueeze(1)
         state.pre_ids.put_along_axis_(column, tokens.unsqueeze(1), 1)
@@ -135,7 +148,8 @@ class ModelRunner:
         state.input_ids[:, 0] = tokens
 
         still_running = paddle.logical_and(ran, paddle.logical_not(finished)).astype(
-            state.seq_lens_this_time.dtype)
+            state.seq_lens_this_time.dtype
+        )
         # A row that ran advances by the tokens it ran; a stopped one ends at 0.
         state.seq_lens_decoder.add_(state.seq_lens_this_time).multiply_(still_running)
         paddle.assign(still_running, output=state.seq_lens_this_time)
@@ -147,8 +161,9 @@ class ModelRunner:
         the block it writes next, preempts when the pool runs short, recovers."""
         state = self.state
         state.recover_block_list.fill_(-1)  # so this call's recoveries can be counted
-        step_paddle(*state.step_tensors().values(), self.config.block_size,
-                    self.config.enc_dec_block_num)
+        step_paddle(
+            *state.step_tensors().values(), self.config.block_size, self.config.enc_dec_block_num
+        )
 
     def advance_decode_inputs(self) -> None:
         """Next step's decode token, position and slot for every running, non-prefill slot."""
@@ -160,32 +175,64 @@ class ModelRunner:
         # A copy, so positions start at the next write position; it ends as context length.
         paddle.assign(state.seq_lens_decoder, output=state.context_lens)
         batch = self.config.max_batch
-        advance_step(state.input_tokens, state.next_tokens, state.input_positions,
-                     state.context_lens, state.slot_mapping, state.block_tables,
-                     batch, batch, self.config.block_size, active=state.decode_active)
+        advance_step(
+            state.input_tokens,
+            state.next_tokens,
+            state.input_positions,
+            state.context_lens,
+            state.slot_mapping,
+            state.block_tables,
+            batch,
+            batch,
+            self.config.block_size,
+            active=state.decode_active,
+        )
 
     def sync_host(self, ran: paddle.Tensor, tokens: paddle.Tensor) -> StepOutcome:
         """This step's per-slot results, copied to the host in one transfer."""
         state, batch = self.state, self.config.max_batch
-        packed = paddle.concat([
-            paddle.cast(vector, "int64").reshape([-1]) for vector in (
-                ran, tokens, state.stop_flags, state.is_block_step, state.step_idx,
-                state.recover_block_list, state.step_lens, state.free_list_len,
-            )
-        ]).numpy()
+        packed = paddle.concat(
+            [
+                paddle.cast(vector, "int64").reshape([-1])
+                for vector in (
+                    ran,
+                    tokens,
+                    state.stop_flags,
+                    state.is_block_step,
+                    state.step_idx,
+                    state.recover_block_list,
+                    state.step_lens,
+                    state.free_list_len,
+                )
+            ]
+        ).numpy()
         ran, tokens, stopped, preempted, step_idx, recover_list = (
-            packed[i * batch:(i + 1) * batch] for i in range(6)
+            packed[i * batch : (i + 1) * batch] for i in range(6)
         )
-        step_lens, free_list_len = (int(value) for value in packed[6 * batch:])
-        return StepOutcome(ran != 0, tokens, stopped != 0, preempted != 0, step_idx,
-                           int((recover_list >= 0).sum()), step_lens, free_list_len)
+        step_lens, free_list_len = (int(value) for value in packed[6 * batch :])
+        return StepOutcome(
+            ran != 0,
+            tokens,
+            stopped != 0,
+            preempted != 0,
+            step_idx,
+            int((recover_list >= 0).sum()),
+            step_lens,
+            free_list_len,
+        )
 
     def clear_slots(self, slots: np.ndarray) -> None:
         """Drops retired slots' prompt blocks from their tables (step_paddle already
         took back their decoder blocks)."""
         state, count = self.state, slots.size
         index = paddle.to_tensor(slots.astype(np.int64), place=state.place)
-        paddle.scatter_(state.block_tables, index, paddle.full(
-            [count, self.config.blocks_per_seq], -1, dtype=state.block_tables.dtype))
-        paddle.scatter_(state.encoder_block_lens, index,
-                        paddle.zeros([count], dtype=state.encoder_block_lens.dtype))
+        paddle.scatter_(
+            state.block_tables,
+            index,
+            paddle.full([count, self.config.blocks_per_seq], -1, dtype=state.block_tables.dtype),
+        )
+        paddle.scatter_(
+            state.encoder_block_lens,
+            index,
+            paddle.zeros([count], dtype=state.encoder_block_lens.dtype),
+        )

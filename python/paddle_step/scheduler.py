@@ -102,8 +102,7 @@ class Scheduler:
             request = self.slot_requests[slot]
             token_ids = self.generated[slot, 1 : self.step_idx[slot] + 1].tolist()
             reason = (
-                FINISH_EOS if token_ids and token_ids[-1] == request.eos_token_id
-                else FINISH_LENGTH
+                FINISH_EOS if token_ids and token_ids[-1] == request.eos_token_id else FINISH_LENGTH
             )
             results.append(
                 GenerationResult(request.request_id, request.prompt_ids, token_ids, reason)
@@ -131,8 +130,10 @@ class Scheduler:
                 f"{int(self.preempted.sum())} preempted sequence(s) not recovered "
                 f"(decoder pool of {config.num_decoder_blocks} blocks)"
             )
-        return ("Engine.step: no progress: nothing is running, nothing can be admitted and "
-                "nothing was recovered: " + "; ".join(parts))
+        return (
+            "Engine.step: no progress: nothing is running, nothing can be admitted and "
+            "nothing was recovered: " + "; ".join(parts)
+        )
 
     def prompt_block_problems(self, tables: np.ndarray, encoder_lens: np.ndarray) -> list[str]:
         """How the device's block tables disagree with the prompt blocks handed out:
@@ -144,8 +145,10 @@ class Scheduler:
             expected = self.slot_requests[slot].encoder_blocks
             found = tables[slot, : encoder_lens[slot]].tolist()
             if found != expected:
-                problems.append(f"slot {slot}: encoder columns hold {found}, "
-                                f"expected its prompt blocks {expected}")
+                problems.append(
+                    f"slot {slot}: encoder columns hold {found}, "
+                    f"expected its prompt blocks {expected}"
+                )
             held.update(expected)
         for slot in np.flatnonzero(~self.live).tolist():
             if (tables[slot] != -1).any():

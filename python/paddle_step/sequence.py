@@ -136,5 +136,11 @@ class Request:
             )
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"add_request: argument 'top_p': expected in (0, 1], got {top_p!r}")
-        return cls(request_id, prompt, int(max_new_tokens), int(eos_token_id),
-                   float(temperature), float(top_p))
+        return cls(
+            request_id,
+            prompt,
+            int(max_new_tokens),
+            int(eos_token_id),
+            float(temperature),
+            float(top_p),
+        )

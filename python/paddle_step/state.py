@@ -110,8 +110,9 @@ class EngineConfig:
 
     def encoder_blocks_for(self, prompt_len: int) -> int:
         """Blocks a prompt of ``prompt_len`` tokens takes at admission."""
-        return min(math.ceil(prompt_len / self.block_size) + self.enc_dec_block_num,
-                   self.blocks_per_seq)
+        return min(
+            math.ceil(prompt_len / self.block_size) + self.enc_dec_block_num, self.blocks_per_seq
+        )
 
 
 class ShareInputs:
@@ -192,5 +193,9 @@ class ShareInputs:
         """``check_state`` on this state (raises ``StateError`` listing every
         violation), knowing the block-id layout: decoder blocks are the top ids."""
         config = self.config
-        check_state(self.step_tensors(), config.block_size, num_blocks=config.num_kv_blocks,
-                    decoder_blocks=range(config.num_encoder_blocks, config.num_kv_blocks))
+        check_state(
+            self.step_tensors(),
+            config.block_size,
+            num_blocks=config.num_kv_blocks,
+            decoder_blocks=range(config.num_encoder_blocks, config.num_kv_blocks),
+        )

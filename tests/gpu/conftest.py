@@ -33,8 +33,22 @@ _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _SIGNATURES = {
     # name: (argtypes); every function returns a cudaError_t as int
-    "paddle_step_advance_step": [_P, _P, _P, _P, ctypes.c_int, _P, _P, ctypes.c_int, _P,
-                                 _I64, _I64, _I64, _I64, _P],
+    "paddle_step_advance_step": [
+        _P,
+        _P,
+        _P,
+        _P,
+        ctypes.c_int,
+        _P,
+        _P,
+        ctypes.c_int,
+        _P,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _P,
+    ],
     "paddle_step_step_paddle": [ctypes.POINTER(_P), _I64, _I64, _I64, _I64, _I64, _I64, _P],
     "paddle_step_step_paddle_tensor_count": [],
     "paddle_step_device_count": [ctypes.POINTER(ctypes.c_int)],
@@ -66,6 +80,7 @@ def load_library(path: Path = LIBRARY) -> ctypes.CDLL:
 
 
 # ---- Array backends: allocation and host<->device copies only. -------------
+
 
 class CupyBackend:
     name = "cupy"
@@ -109,11 +124,13 @@ def import_backend():
     """CuPy, else PyTorch with CUDA; None when neither is usable."""
     try:
         import cupy
+
         return CupyBackend(cupy)
     except Exception:  # noqa: BLE001  not installed, or no CUDA runtime for it
         pass
     try:
         import torch
+
         if torch.cuda.is_available():
             return TorchBackend(torch)
     except Exception:  # noqa: BLE001
@@ -122,6 +139,7 @@ def import_backend():
 
 
 # ---- The harness. ---------------------------------------------------------
+
 
 class GpuHarness:
     """Device buffers for the ops' tensors and the library's launchers.
@@ -174,8 +192,9 @@ class GpuHarness:
 
     # -- advance_step
 
-    def launch_advance_step(self, buffers: dict, num_seqs: int, num_queries: int,
-                            block_size: int, stream=None):
+    def launch_advance_step(
+        self, buffers: dict, num_seqs: int, num_queries: int, block_size: int, stream=None
+    ):
         """Launches on `stream` (default: the harness's); `buffers` holds the six
         tensors of advance_step, plus "active" when given."""
         seq_lens, tables = buffers["seq_lens"], buffers["block_tables"]
@@ -193,12 +212,21 @@ class GpuHarness:
         if active is not None:
             assert tuple(active.shape) == (num_seqs,) and _dtype(active) == np.bool_
         status = self.lib.paddle_step_advance_step(
-            self.pointer(buffers["input_tokens"]), self.pointer(sampled),
-            self.pointer(buffers["input_positions"]), self.pointer(seq_lens), seq_lens_bits,
-            self.pointer(buffers["slot_mapping"]), self.pointer(tables), tables_bits,
+            self.pointer(buffers["input_tokens"]),
+            self.pointer(sampled),
+            self.pointer(buffers["input_positions"]),
+            self.pointer(seq_lens),
+            seq_lens_bits,
+            self.pointer(buffers["slot_mapping"]),
+            self.pointer(tables),
+            tables_bits,
             None if active is None else self.pointer(active),
-            num_seqs, num_queries, int(tables.shape[1]), block_size,
-            self.stream if stream is None else stream)
+            num_seqs,
+            num_queries,
+            int(tables.shape[1]),
+            block_size,
+            self.stream if stream is None else stream,
+        )
         self.check(status, "paddle_step_advance_step")
 
     def run_advance_step(self, case: dict, active, num_seqs, num_queries, block_size):
@@ -218,10 +246,12 @@ class GpuHarness:
             assert _dtype(buffers[name]) == STEP_PADDLE_DTYPES[name], name
         shape = {name: tuple(buffers[name].shape) for name in STEP_PADDLE_TENSORS}
         batch = shape["stop_flags"][0]
-        allowed = {"[B]": lambda s: s == (batch,),
-                   "[B or B,1]": lambda s: s in ((batch,), (batch, 1)),
-                   "[N]": lambda s: len(s) == 1,
-                   "[1]": lambda s: s == (1,)}
+        allowed = {
+            "[B]": lambda s: s == (batch,),
+            "[B or B,1]": lambda s: s in ((batch,), (batch, 1)),
+            "[N]": lambda s: len(s) == 1,
+            "[1]": lambda s: s == (1,),
+        }
         for spec in STEP_PADDLE_TABLE:
             # [B,M], [B,L], [B,P]: two dimensions, B rows.
             fits = allowed.get(spec.shape, lambda s: len(s) == 2 and s[0] == batch)
@@ -230,9 +260,15 @@ class GpuHarness:
         assert count == len(STEP_PADDLE_TENSORS)
         pointers = (_P * count)(*(self.pointer(buffers[name]) for name in STEP_PADDLE_TENSORS))
         status = self.lib.paddle_step_step_paddle(
-            pointers, batch, shape["block_tables"][1], shape["free_list"][0],
-            shape["input_ids"][1], shape["pre_ids"][1], block_size,
-            self.stream if stream is None else stream)
+            pointers,
+            batch,
+            shape["block_tables"][1],
+            shape["free_list"][0],
+            shape["input_ids"][1],
+            shape["pre_ids"][1],
+            block_size,
+            self.stream if stream is None else stream,
+        )
         self.check(status, "paddle_step_step_paddle")
 
     def run_step_paddle(self, state: dict, block_size: int) -> dict:
@@ -253,16 +289,20 @@ class GpuHarness:
             launch(self.stream)
         finally:
             exec_handle, nodes = _P(), _I64()
-            status = self.lib.paddle_step_capture_end(self.stream, ctypes.byref(exec_handle),
-                                                      ctypes.byref(nodes))
+            status = self.lib.paddle_step_capture_end(
+                self.stream, ctypes.byref(exec_handle), ctypes.byref(nodes)
+            )
         self.check(status, "cudaStreamEndCapture / cudaGraphInstantiate")
         assert nodes.value >= 1, "the capture recorded no kernel"
 
         def replay():
-            self.check(self.lib.paddle_step_graph_launch(exec_handle, self.stream),
-                       "cudaGraphLaunch")
-            self.check(self.lib.paddle_step_stream_synchronize(self.stream),
-                       "cudaStreamSynchronize after the graph")
+            self.check(
+                self.lib.paddle_step_graph_launch(exec_handle, self.stream), "cudaGraphLaunch"
+            )
+            self.check(
+                self.lib.paddle_step_stream_synchronize(self.stream),
+                "cudaStreamSynchronize after the graph",
+            )
 
         try:
             yield replay
@@ -285,8 +325,10 @@ class GpuHarness:
                 launch(self.stream)
                 self.check(self.lib.paddle_step_event_record(end, self.stream), "cudaEventRecord")
                 elapsed = ctypes.c_float()
-                self.check(self.lib.paddle_step_event_elapsed_ms(start, end, ctypes.byref(elapsed)),
-                           "cudaEventElapsedTime")
+                self.check(
+                    self.lib.paddle_step_event_elapsed_ms(start, end, ctypes.byref(elapsed)),
+                    "cudaEventElapsedTime",
+                )
                 times.append(elapsed.value)
         finally:
             self.lib.paddle_step_event_destroy(start)
@@ -310,8 +352,7 @@ def _bits(buffer) -> int:
 @pytest.fixture(scope="session")
 def gpu():
     if not LIBRARY.exists():
-        pytest.skip(f"{LIBRARY} is not built "
-                    "(make gpu-test, or make -C tests/gpu build)")
+        pytest.skip(f"{LIBRARY} is not built (make gpu-test, or make -C tests/gpu build)")
     try:
         lib = load_library(LIBRARY)
     except (OSError, AttributeError) as error:  # not loadable, or built from older sources
@@ -323,8 +364,9 @@ def gpu():
         pytest.skip(f"no CUDA device visible (cudaGetDeviceCount: {reason})")
     backend = import_backend()
     if backend is None:
-        pytest.skip("neither CuPy nor PyTorch with CUDA is importable (device arrays "
-                    "come from one of them)")
+        pytest.skip(
+            "neither CuPy nor PyTorch with CUDA is importable (device arrays come from one of them)"
+        )
     harness = GpuHarness(lib, backend)
     print(f"\n[tests/gpu] backend {backend.name}, {count.value} CUDA device(s)")
     yield harness

@@ -48,8 +48,9 @@ def gpu_step_paddle(gpu, cpu_ops):
     def run_op(state, block_size):
         got = gpu.run_step_paddle(state, block_size)
         if cpu_ops is not None:
-            assert_same_bytes(got, cpu_ops.run_step_paddle(state, block_size),
-                              context="GPU vs CPU kernel:")
+            assert_same_bytes(
+                got, cpu_ops.run_step_paddle(state, block_size), context="GPU vs CPU kernel:"
+            )
         return got
 
     return run_op
@@ -73,15 +74,18 @@ def gpu_advance_step(gpu, cpu_ops):
 
 # ---- The CPU tests' cases, on the GPU kernels. ---------------------------
 
+
 @pytest.mark.parametrize("num_seqs", advance_step_cases.MATRIX["num_seqs"])
 @pytest.mark.parametrize("block_size", advance_step_cases.MATRIX["block_size"])
 @pytest.mark.parametrize("seq_lens_dtype", advance_step_cases.MATRIX["seq_lens_dtype"])
 @pytest.mark.parametrize("tables_dtype", advance_step_cases.MATRIX["tables_dtype"])
 @pytest.mark.parametrize("with_active", advance_step_cases.MATRIX["with_active"])
-def test_advance_step_matches_reference(gpu_advance_step, num_seqs, block_size, seq_lens_dtype,
-                                        tables_dtype, with_active):
-    advance_step_cases.matches_reference(gpu_advance_step, num_seqs, block_size,
-                                         seq_lens_dtype, tables_dtype, with_active)
+def test_advance_step_matches_reference(
+    gpu_advance_step, num_seqs, block_size, seq_lens_dtype, tables_dtype, with_active
+):
+    advance_step_cases.matches_reference(
+        gpu_advance_step, num_seqs, block_size, seq_lens_dtype, tables_dtype, with_active
+    )
 
 
 @pytest.mark.parametrize("name", list(advance_step_cases.FIXED_CASES))
@@ -94,10 +98,26 @@ LOOP_PARAMS = [pytest.param(*config, id=key) for key, config in LOOP_CONFIGS.ite
 
 @pytest.mark.parametrize(LOOP_ARGNAMES, LOOP_PARAMS)
 @pytest.mark.parametrize("stopped_shape", ["[B]", "[B,1]"])
-def test_step_paddle_decode_loop(gpu_step_paddle, batch, max_len, block_size, blocks_per_seq,
-                                 decoder_blocks, encoder_blocks, stopped_shape):
-    step_paddle_cases.decode_loop(gpu_step_paddle, batch, max_len, block_size, blocks_per_seq,
-                                  decoder_blocks, encoder_blocks, stopped_shape)
+def test_step_paddle_decode_loop(
+    gpu_step_paddle,
+    batch,
+    max_len,
+    block_size,
+    blocks_per_seq,
+    decoder_blocks,
+    encoder_blocks,
+    stopped_shape,
+):
+    step_paddle_cases.decode_loop(
+        gpu_step_paddle,
+        batch,
+        max_len,
+        block_size,
+        blocks_per_seq,
+        decoder_blocks,
+        encoder_blocks,
+        stopped_shape,
+    )
 
 
 @pytest.mark.parametrize("batch", step_paddle_cases.RANDOM_STATE_BATCHES)
@@ -112,17 +132,20 @@ def test_step_paddle_cases(gpu_step_paddle, name):
 
 # ---- CUDA graphs: capture one call, replay it on fresh inputs. ------------
 
-@pytest.mark.parametrize("seq_lens_dtype,tables_dtype",
-                         [(np.int32, np.int32), (np.int64, np.int32), (np.int32, np.int64),
-                          (np.int64, np.int64)])
+
+@pytest.mark.parametrize(
+    "seq_lens_dtype,tables_dtype",
+    [(np.int32, np.int32), (np.int64, np.int32), (np.int32, np.int64), (np.int64, np.int64)],
+)
 @pytest.mark.parametrize("with_active", [False, True])
 def test_advance_step_cuda_graph(gpu, seq_lens_dtype, tables_dtype, with_active):
     num_seqs, num_queries, block_size = 1000, 700, 16
     rng = np.random.default_rng(5)
 
     def fresh_inputs():
-        case, active = make_case(num_seqs, num_queries, block_size, seq_lens_dtype,
-                                             tables_dtype, with_active, rng)
+        case, active = make_case(
+            num_seqs, num_queries, block_size, seq_lens_dtype, tables_dtype, with_active, rng
+        )
         arrays = dict(case)
         if active is not None:
             arrays["active"] = active
@@ -132,8 +155,9 @@ def test_advance_step_cuda_graph(gpu, seq_lens_dtype, tables_dtype, with_active)
     # A first launch outside the capture also loads the kernel (CUDA lazy loading).
     gpu.run_advance_step(case, active, num_seqs, num_queries, block_size)
     buffers = gpu.upload(arrays)
-    with gpu.graph(lambda stream: gpu.launch_advance_step(buffers, num_seqs, num_queries,
-                                                          block_size, stream)) as replay:
+    with gpu.graph(
+        lambda stream: gpu.launch_advance_step(buffers, num_seqs, num_queries, block_size, stream)
+    ) as replay:
         # Capturing records the launch without running it.
         assert_same_bytes(gpu.download(buffers), arrays, arrays, "after capture:")
         for trial in range(4):
@@ -141,17 +165,36 @@ def test_advance_step_cuda_graph(gpu, seq_lens_dtype, tables_dtype, with_active)
                 case, active, arrays = fresh_inputs()
                 gpu.copy_into(buffers, arrays)
             replay()
-            expected = dict(zip(ADVANCE_STEP_OUTPUTS, ref_advance_step(
-                **case, num_seqs=num_seqs, num_queries=num_queries, block_size=block_size,
-                active=active)))
-            assert_same_bytes(gpu.download(buffers), expected, ADVANCE_STEP_OUTPUTS,
-                               f"replay {trial}:")
+            expected = dict(
+                zip(
+                    ADVANCE_STEP_OUTPUTS,
+                    ref_advance_step(
+                        **case,
+                        num_seqs=num_seqs,
+                        num_queries=num_queries,
+                        block_size=block_size,
+                        active=active,
+                    ),
+                )
+            )
+            assert_same_bytes(
+                gpu.download(buffers), expected, ADVANCE_STEP_OUTPUTS, f"replay {trial}:"
+            )
         # Replaying again reads the buffers as they are now: a second step.
         replay()
         twice = dict(case, **expected)
-        expected = dict(zip(ADVANCE_STEP_OUTPUTS, ref_advance_step(
-            **twice, num_seqs=num_seqs, num_queries=num_queries, block_size=block_size,
-            active=active)))
+        expected = dict(
+            zip(
+                ADVANCE_STEP_OUTPUTS,
+                ref_advance_step(
+                    **twice,
+                    num_seqs=num_seqs,
+                    num_queries=num_queries,
+                    block_size=block_size,
+                    active=active,
+                ),
+            )
+        )
         assert_same_bytes(gpu.download(buffers), expected, ADVANCE_STEP_OUTPUTS, "second replay:")
 
 
@@ -172,8 +215,9 @@ def _graph_decode_loop(gpu, loop: FakeDecodeLoop, block_size: int, max_steps: in
                 gpu.copy_into(buffers, {name: state[name] for name in STEP_PADDLE_TENSORS})
             replay()
             got = gpu.download(buffers)
-            assert_same_bytes(got, ref_step_paddle(state, block_size), STEP_PADDLE_TENSORS,
-                               f"replay {calls}:")
+            assert_same_bytes(
+                got, ref_step_paddle(state, block_size), STEP_PADDLE_TENSORS, f"replay {calls}:"
+            )
             calls += 1
             loop.load(got)
             loop.host_update()
@@ -182,13 +226,23 @@ def _graph_decode_loop(gpu, loop: FakeDecodeLoop, block_size: int, max_steps: in
 
 
 @pytest.mark.parametrize(LOOP_ARGNAMES, LOOP_PARAMS)
-def test_step_paddle_cuda_graph_decode_loop(gpu, batch, max_len, block_size, blocks_per_seq,
-                                            decoder_blocks, encoder_blocks):
+def test_step_paddle_cuda_graph_decode_loop(
+    gpu, batch, max_len, block_size, blocks_per_seq, decoder_blocks, encoder_blocks
+):
     # The loop of test_decode_loop_matches_reference, every step a graph replay.
-    loop = FakeDecodeLoop(batch, max_len, block_size, blocks_per_seq, decoder_blocks,
-                          encoder_blocks, seed=batch, stop_prob=0.01,
-                          prompt_len_range=(1, 2 * block_size), output_len_range=(1, max_len // 2),
-                          num_requests=max(12, 2 * batch))
+    loop = FakeDecodeLoop(
+        batch,
+        max_len,
+        block_size,
+        blocks_per_seq,
+        decoder_blocks,
+        encoder_blocks,
+        seed=batch,
+        stop_prob=0.01,
+        prompt_len_range=(1, 2 * block_size),
+        output_len_range=(1, max_len // 2),
+        num_requests=max(12, 2 * batch),
+    )
     calls = _graph_decode_loop(gpu, loop, block_size, max_steps=3000)
     assert loop.done and calls > 10
     if batch > 1:
@@ -197,8 +251,20 @@ def test_step_paddle_cuda_graph_decode_loop(gpu, batch, max_len, block_size, blo
 
 def test_step_paddle_cuda_graph_batch_4096(gpu):
     # test_batch_4096's loop, every step a graph replay.
-    loop = FakeDecodeLoop(4096, 32, 8, 4, 1500, 9000, seed=7, arrival_prob=0.9, stop_prob=0.05,
-                          prompt_len_range=(1, 8), output_len_range=(1, 24), num_requests=4096)
+    loop = FakeDecodeLoop(
+        4096,
+        32,
+        8,
+        4,
+        1500,
+        9000,
+        seed=7,
+        arrival_prob=0.9,
+        stop_prob=0.05,
+        prompt_len_range=(1, 8),
+        output_len_range=(1, 24),
+        num_requests=4096,
+    )
     assert _graph_decode_loop(gpu, loop, 8, max_steps=12) == 12
     used = np.asarray(loop.state()["used_list_len"]).reshape(-1)
     assert used[256:].sum() > 0 and loop.preemptions > 0
@@ -211,9 +277,20 @@ TIMING_BATCHES = (1, 64, 256, 1024, 4096)
 
 def _busy_state(gpu, batch: int, block_size: int = 8) -> dict:
     """A serving state: a tight fake loop run a few steps through the GPU kernel."""
-    loop = FakeDecodeLoop(batch, 32, block_size, 4, max(4, 3 * batch // 8), max(8, 9 * batch // 4),
-                          seed=batch, arrival_prob=0.9, stop_prob=0.05, prompt_len_range=(1, 8),
-                          output_len_range=(1, 24), num_requests=4 * batch)
+    loop = FakeDecodeLoop(
+        batch,
+        32,
+        block_size,
+        4,
+        max(4, 3 * batch // 8),
+        max(8, 9 * batch // 4),
+        seed=batch,
+        arrival_prob=0.9,
+        stop_prob=0.05,
+        prompt_len_range=(1, 8),
+        output_len_range=(1, 24),
+        num_requests=4 * batch,
+    )
     for _ in range(8):
         loop.host_update()
         loop.load(gpu.run_step_paddle(loop.state(), block_size))
@@ -227,14 +304,18 @@ def test_report_kernel_times(gpu):
     for batch in TIMING_BATCHES:
         state = _busy_state(gpu, batch)
         step_buffers = gpu.upload(state)
-        step_ms = gpu.time_ms(lambda stream: gpu.launch_step_paddle(step_buffers, 8, stream),
-                              lambda: gpu.copy_into(step_buffers, state))
-        case, _ = make_case(batch, batch, 16, np.int32, np.int32, False,
-                                        np.random.default_rng(batch))
+        step_ms = gpu.time_ms(
+            lambda stream: gpu.launch_step_paddle(step_buffers, 8, stream),
+            lambda: gpu.copy_into(step_buffers, state),
+        )
+        case, _ = make_case(
+            batch, batch, 16, np.int32, np.int32, False, np.random.default_rng(batch)
+        )
         advance_buffers = gpu.upload(case)
         advance_ms = gpu.time_ms(
             lambda stream: gpu.launch_advance_step(advance_buffers, batch, batch, 16, stream),
-            lambda: gpu.copy_into(advance_buffers, case))
+            lambda: gpu.copy_into(advance_buffers, case),
+        )
         rows.append((batch, step_ms, advance_ms))
         assert step_ms > 0 and advance_ms > 0
     print(f"\n[tests/gpu] kernel times, CUDA events, median of 50 launches ({gpu.backend.name})")

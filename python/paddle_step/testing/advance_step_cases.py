@@ -26,8 +26,7 @@ MATRIX = {
 }
 
 
-def make_case(num_seqs, num_queries, block_size, seq_lens_dtype, tables_dtype,
-              with_active, rng):
+def make_case(num_seqs, num_queries, block_size, seq_lens_dtype, tables_dtype, with_active, rng):
     """A batch with mapped, unmapped (-1) and past-the-table positions."""
     blocks_per_seq = 5
     max_position = blocks_per_seq * block_size + 3  # some positions past the table
@@ -52,14 +51,17 @@ def assert_same(got, expected):
         np.testing.assert_array_equal(got_array, expected_array, err_msg=name)
 
 
-def matches_reference(run_op: AdvanceRunner, num_seqs, block_size, seq_lens_dtype,
-                      tables_dtype, with_active) -> None:
+def matches_reference(
+    run_op: AdvanceRunner, num_seqs, block_size, seq_lens_dtype, tables_dtype, with_active
+) -> None:
     rng = np.random.default_rng(num_seqs * 1000 + block_size)
     for num_queries in sorted({num_seqs, max(1, num_seqs // 2), 1}):
-        case, active = make_case(num_seqs, num_queries, block_size, seq_lens_dtype,
-                                 tables_dtype, with_active, rng)
-        expected = ref_advance_step(**case, num_seqs=num_seqs, num_queries=num_queries,
-                                    block_size=block_size, active=active)
+        case, active = make_case(
+            num_seqs, num_queries, block_size, seq_lens_dtype, tables_dtype, with_active, rng
+        )
+        expected = ref_advance_step(
+            **case, num_seqs=num_seqs, num_queries=num_queries, block_size=block_size, active=active
+        )
         assert_same(run_op(case, active, num_seqs, num_queries, block_size), expected)
 
 

@@ -95,8 +95,16 @@ def make_state(
     flat = {spec.name: np.zeros(shapes[spec.shape], spec.dtype) for spec in STEP_PADDLE_TABLE}
     # An empty slot is stopped and holds nothing: -1 marks "no block / no entry / no token".
     flat["stop_flags"][:] = True
-    for name in ("block_tables", "step_block_list", "recover_block_list", "need_block_list",
-                 "free_list", "pre_ids", "next_tokens", "first_token_ids"):
+    for name in (
+        "block_tables",
+        "step_block_list",
+        "recover_block_list",
+        "need_block_list",
+        "free_list",
+        "pre_ids",
+        "next_tokens",
+        "first_token_ids",
+    ):
         flat[name][:] = -1
     flat["free_list"][: len(free_list)] = free_list
     flat["free_list_len"][0] = len(free_list) if free_list_len is None else free_list_len
@@ -139,7 +147,7 @@ def add_running(
     row = state["block_tables"][slot]
     row[:] = -1
     row[: len(encoder_blocks)] = encoder_blocks
-    row[len(encoder_blocks): len(encoder_blocks) + len(decoder_blocks)] = decoder_blocks
+    row[len(encoder_blocks) : len(encoder_blocks) + len(decoder_blocks)] = decoder_blocks
     flat["stop_flags"][slot] = False
     flat["is_block_step"][slot] = False
     flat["seq_lens_this_time"][slot] = 1
@@ -226,10 +234,14 @@ class FakeDecodeLoop:
         stopped_shape: str = "[B]",
     ):
         _check_stopped_shape(stopped_shape)
-        for name, value in (("batch_size", batch_size), ("max_model_len", max_model_len),
-                            ("block_size", block_size), ("blocks_per_seq", blocks_per_seq),
-                            ("num_decoder_blocks", num_decoder_blocks),
-                            ("num_encoder_blocks", num_encoder_blocks)):
+        for name, value in (
+            ("batch_size", batch_size),
+            ("max_model_len", max_model_len),
+            ("block_size", block_size),
+            ("blocks_per_seq", blocks_per_seq),
+            ("num_decoder_blocks", num_decoder_blocks),
+            ("num_encoder_blocks", num_encoder_blocks),
+        ):
             if value <= 0:
                 raise ValueError(f"argument '{name}': expected > 0, got {value}")
         self.batch_size = batch_size
@@ -273,8 +285,12 @@ class FakeDecodeLoop:
 
         self.num_blocks = num_encoder_blocks + num_decoder_blocks
         self.decoder_block_ids = frozenset(range(num_encoder_blocks, self.num_blocks))
-        self._host_free_blocks = list(range(num_encoder_blocks - 1, -1, -1))  # pop() gives the lowest
-        self._slot_encoder_blocks: list[list[int] | None] = [None] * batch_size  # None: slot is free
+        self._host_free_blocks = list(
+            range(num_encoder_blocks - 1, -1, -1)
+        )  # pop() gives the lowest
+        self._slot_encoder_blocks: list[list[int] | None] = [
+            None
+        ] * batch_size  # None: slot is free
         self._waiting: deque[_Request] = deque()
         self._requests_created = 0
         self._requests: list[_Request | None] = [None] * batch_size
@@ -283,10 +299,16 @@ class FakeDecodeLoop:
         self._token_count = np.zeros(batch_size, np.int64)
         self._kv_cache = np.full((self.num_blocks, block_size), -1, np.int64)
 
-        flat = make_state(batch_size, blocks_per_seq, max_model_len,
-                          free_list=list(range(self.num_blocks - 1, num_encoder_blocks - 1, -1)))
-        self._flat = {name: array.reshape(-1) if name in COLUMN_CAPABLE else array
-                      for name, array in flat.items()}
+        flat = make_state(
+            batch_size,
+            blocks_per_seq,
+            max_model_len,
+            free_list=list(range(self.num_blocks - 1, num_encoder_blocks - 1, -1)),
+        )
+        self._flat = {
+            name: array.reshape(-1) if name in COLUMN_CAPABLE else array
+            for name, array in flat.items()
+        }
         self._op_input: dict[str, np.ndarray] | None = None  # what the op was last given
 
         self.preemptions = 0
@@ -329,13 +351,18 @@ class FakeDecodeLoop:
         missing = [name for name in STEP_PADDLE_TENSORS if name not in new_state]
         if missing:
             raise ValueError(f"argument 'new_state': missing tensors {missing}")
-        before = {name: array.reshape(-1) if name in COLUMN_CAPABLE else array
-                  for name, array in self._op_input.items()}
+        before = {
+            name: array.reshape(-1) if name in COLUMN_CAPABLE else array
+            for name, array in self._op_input.items()
+        }
         after = {}
         for name in STEP_PADDLE_TENSORS:
             value = new_state[name]
             array = np.array(value.numpy() if hasattr(value, "numpy") else value, copy=True)
-            if array.shape != self._op_input[name].shape or array.dtype != self._op_input[name].dtype:
+            if (
+                array.shape != self._op_input[name].shape
+                or array.dtype != self._op_input[name].dtype
+            ):
                 raise ValueError(
                     f"argument 'new_state': {name} expected {self._op_input[name].dtype} "
                     f"{list(self._op_input[name].shape)}, got {array.dtype} {list(array.shape)}"
@@ -384,7 +411,11 @@ class FakeDecodeLoop:
         flat = self._flat
         for slot in range(self.batch_size):
             encoder_blocks = self._slot_encoder_blocks[slot]
-            if encoder_blocks is None or not flat["stop_flags"][slot] or flat["is_block_step"][slot]:
+            if (
+                encoder_blocks is None
+                or not flat["stop_flags"][slot]
+                or flat["is_block_step"][slot]
+            ):
                 continue
             row = flat["block_tables"][slot]
             expected_row = np.full(self.blocks_per_seq, -1, np.int32)
@@ -405,11 +436,17 @@ class FakeDecodeLoop:
     def _arrive(self) -> None:
         arrivals = self.rng.binomial(self.batch_size, self.arrival_prob)
         for _ in range(min(arrivals, self.num_requests - self._requests_created)):
-            prompt_len = int(self.rng.integers(self.prompt_len_range[0], self.prompt_len_range[1] + 1))
-            self._waiting.append(_Request(
-                prompt=self.rng.integers(1, VOCAB_SIZE, prompt_len, dtype=np.int64),
-                max_new_tokens=int(self.rng.integers(self.output_len_range[0], self.output_len_range[1] + 1)),
-            ))
+            prompt_len = int(
+                self.rng.integers(self.prompt_len_range[0], self.prompt_len_range[1] + 1)
+            )
+            self._waiting.append(
+                _Request(
+                    prompt=self.rng.integers(1, VOCAB_SIZE, prompt_len, dtype=np.int64),
+                    max_new_tokens=int(
+                        self.rng.integers(self.output_len_range[0], self.output_len_range[1] + 1)
+                    ),
+                )
+            )
             self._requests_created += 1
 
     def _admit(self) -> None:
@@ -507,9 +544,11 @@ class FakeDecodeLoop:
         self._token_count[slot] += 1
 
         request = self._requests[slot]
-        if (self.rng.random() < self.stop_prob
-                or step_idx >= request.max_new_tokens
-                or self._token_count[slot] >= self.max_tokens):
+        if (
+            self.rng.random() < self.stop_prob
+            or step_idx >= request.max_new_tokens
+            or self._token_count[slot] >= self.max_tokens
+        ):
             flat["stop_flags"][slot] = True
             flat["seq_lens_this_time"][slot] = 0
             flat["seq_lens_decoder"][slot] = 0
@@ -527,4 +566,6 @@ class FakeDecodeLoop:
         self.preemptions += int(preempted.sum())
         self.shortfalls += int((preempted & (before["used_list_len"] == 0)).sum())
         self.recoveries += int(recovered.sum())
-        self.table_end_stops += int((running_before & after["stop_flags"] & ~after["is_block_step"]).sum())
+        self.table_end_stops += int(
+            (running_before & after["stop_flags"] & ~after["is_block_step"]).sum()
+        )

@@ -229,7 +229,9 @@ def ref_step_paddle(
             input_ids[slot, 0] = first_token_ids[slot]
         # input_ids[slot, prompt_len + i] = pre_ids[slot, i + 1] for i < steps - 1;
         # the range keeps both positions inside their rows.
-        for i in range(max(0, -prompt_len), min(steps - 1, pre_ids_len - 1, input_len - prompt_len)):
+        for i in range(
+            max(0, -prompt_len), min(steps - 1, pre_ids_len - 1, input_len - prompt_len)
+        ):
             input_ids[slot, prompt_len + i] = pre_ids[slot, i + 1]
         last_position = prompt_len + steps - 1
         if 0 <= last_position < input_len:

@@ -49,14 +49,31 @@ def checked_step(run_op: StepRunner, block_size: int, calls: list):
     return step
 
 
-def decode_loop(run_op: StepRunner, batch, max_len, block_size, blocks_per_seq,
-                decoder_blocks, encoder_blocks, stopped_shape="[B]") -> None:
+def decode_loop(
+    run_op: StepRunner,
+    batch,
+    max_len,
+    block_size,
+    blocks_per_seq,
+    decoder_blocks,
+    encoder_blocks,
+    stopped_shape="[B]",
+) -> None:
     """A fake FastDeploy loop under a tight decoder pool, every call checked."""
-    loop = FakeDecodeLoop(batch, max_len, block_size, blocks_per_seq, decoder_blocks,
-                          encoder_blocks, seed=batch, stopped_shape=stopped_shape,
-                          stop_prob=0.01, prompt_len_range=(1, 2 * block_size),
-                          output_len_range=(1, max_len // 2),
-                          num_requests=max(12, 2 * batch))
+    loop = FakeDecodeLoop(
+        batch,
+        max_len,
+        block_size,
+        blocks_per_seq,
+        decoder_blocks,
+        encoder_blocks,
+        seed=batch,
+        stopped_shape=stopped_shape,
+        stop_prob=0.01,
+        prompt_len_range=(1, 2 * block_size),
+        output_len_range=(1, max_len // 2),
+        num_requests=max(12, 2 * batch),
+    )
     calls = []
     loop.run(checked_step(run_op, block_size, calls), max_steps=3000)
     assert loop.done and len(calls) > 10
@@ -67,9 +84,20 @@ def decode_loop(run_op: StepRunner, batch, max_len, block_size, blocks_per_seq,
 def shortfall(run_op: StepRunner) -> None:
     # Many arrivals with one-block prompts and a pool of a few blocks: needy
     # sequences outnumber the pool while nobody holds a decoder block.
-    loop = FakeDecodeLoop(16, 32, 4, 8, 7, 64, seed=3, arrival_prob=1.0, stop_prob=0.0,
-                          prompt_len_range=(4, 4), output_len_range=(8, 20),
-                          num_requests=48)
+    loop = FakeDecodeLoop(
+        16,
+        32,
+        4,
+        8,
+        7,
+        64,
+        seed=3,
+        arrival_prob=1.0,
+        stop_prob=0.0,
+        prompt_len_range=(4, 4),
+        output_len_range=(8, 20),
+        num_requests=48,
+    )
     loop.run(checked_step(run_op, 4, []), max_steps=3000)
     assert loop.shortfalls > 0
 
@@ -80,14 +108,25 @@ def random_state(batch, rng):
     blocks_per_seq = int(rng.integers(1, 6))
     max_len = int(rng.integers(1, 40))
     capacity = int(rng.integers(1, 3 * batch + 2))
-    state = make_state(batch, blocks_per_seq, max_len, free_list_size=capacity,
-                       pre_ids_len=int(rng.integers(1, 40)))
+    state = make_state(
+        batch,
+        blocks_per_seq,
+        max_len,
+        free_list_size=capacity,
+        pre_ids_len=int(rng.integers(1, 40)),
+    )
 
     def ints(low, high, shape):
         return rng.integers(low, high, size=shape).astype(np.int32)
 
-    for name in ("seq_lens_this_time", "ori_seq_lens_encoder", "seq_lens_encoder",
-                 "seq_lens_decoder", "encoder_block_lens", "used_list_len"):
+    for name in (
+        "seq_lens_this_time",
+        "ori_seq_lens_encoder",
+        "seq_lens_encoder",
+        "seq_lens_decoder",
+        "encoder_block_lens",
+        "used_list_len",
+    ):
         state[name] = ints(-2, 3 * blocks_per_seq + 2, batch)
     state["seq_lens_decoder"] = ints(-3, 4 * blocks_per_seq * 4, batch)
     state["block_tables"] = ints(-1, 50, (batch, blocks_per_seq))
@@ -109,15 +148,27 @@ def random_states(run_op: StepRunner, batch: int) -> None:
     for trial in range(150):
         state = random_state(batch, rng)
         block_size = int(rng.integers(1, 5))
-        assert_same_bytes(run_op(state, block_size), ref_step_paddle(state, block_size),
-                          context=f"trial {trial}")
+        assert_same_bytes(
+            run_op(state, block_size), ref_step_paddle(state, block_size), context=f"trial {trial}"
+        )
 
 
 def batch_4096(run_op: StepRunner) -> None:
     # Beyond FastDeploy's 256-thread limit: slots past 255 are served too.
-    loop = FakeDecodeLoop(4096, 32, 8, 4, 1500, 9000, seed=7, arrival_prob=0.9,
-                          stop_prob=0.05, prompt_len_range=(1, 8),
-                          output_len_range=(1, 24), num_requests=4096)
+    loop = FakeDecodeLoop(
+        4096,
+        32,
+        8,
+        4,
+        1500,
+        9000,
+        seed=7,
+        arrival_prob=0.9,
+        stop_prob=0.05,
+        prompt_len_range=(1, 8),
+        output_len_range=(1, 24),
+        num_requests=4096,
+    )
     step = checked_step(run_op, 8, [])
     for _ in range(12):
         loop.host_update()
