@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Per-call latency of ``step_paddle`` and ``advance_step`` against their baselines.
 
-States are captured from ``paddle_step.testing.fake_decode_loop.FakeDecodeLoop`` (the op drives the loop
-until the captured call), in two scenarios:
+States are captured from ``paddle_step.testing.fake_decode_loop.FakeDecodeLoop`` (the op
+drives the loop until the captured call), in two scenarios:
 
 - ``preempt``: a decoder pool of max(B, 32) blocks; the captured step_paddle call is the
   first one that preempts (the pool ran dry), so it frees, preempts and dispatches;

@@ -282,8 +282,8 @@ def test_recovered_slot_without_blocks_for_its_prefill():
     state["step_block_list"][0] = -1
     message = violations(state)
     assert (
-        "slot 1 is running but has no block in column(s) [1, 2, 3] for its tokens at positions 0..13"
-        in message
+        "slot 1 is running but has no block in column(s) [1, 2, 3] for its tokens at "
+        "positions 0..13" in message
     )
 
 

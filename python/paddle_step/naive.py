@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import paddle
 
-from .sequence import FINISH_EOS, FINISH_LENGTH, GenerationResult, GenerationStats
 from .model import TinyLlama
 from .sampling import sample_tokens, sampling_uniforms
+from .sequence import FINISH_EOS, FINISH_LENGTH, GenerationResult, GenerationStats
 
 __all__ = ["generate_naive"]
 

@@ -9,6 +9,7 @@ registered ``static_op_*`` op to the program. Both run the same kernels.
 from __future__ import annotations
 
 import paddle
+
 import paddle_step_ops as _library
 
 from .tensor_table import STEP_PADDLE_OUTPUTS, STEP_PADDLE_TENSORS

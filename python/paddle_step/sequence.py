@@ -92,9 +92,10 @@ class Request:
         config: EngineConfig,
     ) -> Request:
         """The request ``Engine.add_request`` was asked for (``eos_token_id`` None:
-        ``default_eos_token_id``, where -1 means no eos stop). Raises ``ValueError`` for one the engine could never run (empty prompt, ids
-        outside the vocabulary, prompt + max_new_tokens past ``max_model_len``, more prompt
-        blocks than the encoder region holds) or a bad sampling parameter."""
+        ``default_eos_token_id``, where -1 means no eos stop). Raises ``ValueError`` for one
+        the engine could never run (empty prompt, ids outside the vocabulary, prompt +
+        max_new_tokens past ``max_model_len``, more prompt blocks than the encoder region
+        holds) or a bad sampling parameter."""
         prompt = [int(token) for token in prompt_ids]
         max_len = config.max_model_len
         if not prompt:

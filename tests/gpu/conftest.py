@@ -14,7 +14,6 @@ here imports CuPy or PyTorch at import time.
 from __future__ import annotations
 
 import ctypes
-import importlib
 import statistics
 from contextlib import contextmanager
 from pathlib import Path

@@ -141,7 +141,8 @@ def add_running(
     in its cache and writes position ``seq_lens_decoder`` next."""
     if seq_lens_decoder < prompt_len:
         raise ValueError(
-            f"argument 'seq_lens_decoder': expected >= prompt_len ({prompt_len}), got {seq_lens_decoder}"
+            f"argument 'seq_lens_decoder': expected >= prompt_len ({prompt_len}), "
+            f"got {seq_lens_decoder}"
         )
     flat = {name: state[name].reshape(-1) for name in COLUMN_CAPABLE + ("is_block_step",)}
     row = state["block_tables"][slot]
@@ -498,13 +499,15 @@ class FakeDecodeLoop:
             if start != 0 or fed_count != tokens_so_far or not np.array_equal(fed, history):
                 raise FakeLoopError(
                     f"slot {slot}: prefill feeds input_ids[:{fed_count}] = {fed.tolist()} from "
-                    f"position {start}, expected its {tokens_so_far} tokens {history.tolist()} from 0"
+                    f"position {start}, expected its {tokens_so_far} tokens {history.tolist()} "
+                    "from 0"
                 )
         else:  # decode: the last sampled token
             fed = flat["input_ids"][slot, :1]
             if fed_count != 1 or start != tokens_so_far - 1 or fed[0] != history[-1]:
                 raise FakeLoopError(
-                    f"slot {slot}: decode feeds token {int(fed[0])} x{fed_count} at position {start}, "
+                    f"slot {slot}: decode feeds token {int(fed[0])} x{fed_count} at position "
+                    f"{start}, "
                     f"expected token {int(history[-1])} x1 at position {tokens_so_far - 1}"
                 )
         positions = np.arange(start + fed_count)
@@ -521,8 +524,9 @@ class FakeDecodeLoop:
         if not np.array_equal(seen, history):
             wrong = int(np.flatnonzero(seen != history)[0])
             raise FakeLoopError(
-                f"slot {slot}: KV cache at position {wrong} (block {int(blocks[wrong])}) holds token "
-                f"{int(seen[wrong])}, expected {int(history[wrong])}: a block is shared or was lost"
+                f"slot {slot}: KV cache at position {wrong} (block {int(blocks[wrong])}) holds "
+                f"token {int(seen[wrong])}, expected {int(history[wrong])}: a block is shared "
+                "or was lost"
             )
 
     def _post_process(self, slot: int) -> None:
