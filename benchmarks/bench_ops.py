@@ -174,18 +174,12 @@ ADVANCE_WRITTEN = ("input_tokens", "input_positions", "seq_lens", "slot_mapping"
 # ---------------------------------------------------------------- implementations
 
 
-def advance_step_vectorized(
-    input_tokens,
-    sampled_token_ids,
-    input_positions,
-    seq_lens,
-    slot_mapping,
-    block_tables,
-    num_seqs,
-    num_queries,
-    block_size,
-    active=None,
-):
+# The ops' argument lists stay packed (fmt: off), as in paddle_step.ops.
+# fmt: off
+def advance_step_vectorized(input_tokens, sampled_token_ids, input_positions, seq_lens,
+                            slot_mapping, block_tables, num_seqs, num_queries, block_size,
+                            active=None):
+    # fmt: on
     """advance_step in built-in Paddle ops (what one writes without the custom op)."""
     is_query = paddle.arange(num_seqs) < num_queries
     if active is not None:
@@ -211,85 +205,32 @@ def advance_step_vectorized(
     paddle.assign(paddle.where(valid, slot, paddle.full_like(slot, -1)), output=slot_mapping)
 
 
+# fmt: off
 def _make_to_static_advance(num_seqs, block_size):
-    def run(
-        input_tokens,
-        sampled_token_ids,
-        input_positions,
-        seq_lens,
-        slot_mapping,
-        block_tables,
-        active,
-    ):
-        paddle_step.advance_step(
-            input_tokens,
-            sampled_token_ids,
-            input_positions,
-            seq_lens,
-            slot_mapping,
-            block_tables,
-            num_seqs,
-            num_seqs,
-            block_size,
-            active=active,
-        )
+    def run(input_tokens, sampled_token_ids, input_positions, seq_lens, slot_mapping,
+            block_tables, active):
+        paddle_step.advance_step(input_tokens, sampled_token_ids, input_positions, seq_lens,
+                                 slot_mapping, block_tables, num_seqs, num_seqs, block_size,
+                                 active=active)
 
     return paddle.jit.to_static(run, full_graph=True)
 
 
 def _make_to_static_step(block_size, enc_dec):
-    def run(
-        stop_flags,
-        seq_lens_this_time,
-        ori_seq_lens_encoder,
-        seq_lens_encoder,
-        seq_lens_decoder,
-        block_tables,
-        encoder_block_lens,
-        is_block_step,
-        step_block_list,
-        step_lens,
-        recover_block_list,
-        recover_lens,
-        need_block_list,
-        need_block_len,
-        used_list_len,
-        free_list,
-        free_list_len,
-        input_ids,
-        pre_ids,
-        step_idx,
-        next_tokens,
-        first_token_ids,
-    ):
+    def run(stop_flags, seq_lens_this_time, ori_seq_lens_encoder, seq_lens_encoder,
+            seq_lens_decoder, block_tables, encoder_block_lens, is_block_step, step_block_list,
+            step_lens, recover_block_list, recover_lens, need_block_list, need_block_len,
+            used_list_len, free_list, free_list_len, input_ids, pre_ids, step_idx, next_tokens,
+            first_token_ids):
         paddle_step.step_paddle(
-            stop_flags,
-            seq_lens_this_time,
-            ori_seq_lens_encoder,
-            seq_lens_encoder,
-            seq_lens_decoder,
-            block_tables,
-            encoder_block_lens,
-            is_block_step,
-            step_block_list,
-            step_lens,
-            recover_block_list,
-            recover_lens,
-            need_block_list,
-            need_block_len,
-            used_list_len,
-            free_list,
-            free_list_len,
-            input_ids,
-            pre_ids,
-            step_idx,
-            next_tokens,
-            first_token_ids,
-            block_size,
-            enc_dec,
-        )
+            stop_flags, seq_lens_this_time, ori_seq_lens_encoder, seq_lens_encoder,
+            seq_lens_decoder, block_tables, encoder_block_lens, is_block_step, step_block_list,
+            step_lens, recover_block_list, recover_lens, need_block_list, need_block_len,
+            used_list_len, free_list, free_list_len, input_ids, pre_ids, step_idx, next_tokens,
+            first_token_ids, block_size, enc_dec)
 
     return paddle.jit.to_static(run, full_graph=True)
+# fmt: on
 
 
 # ---------------------------------------------------------------- timing

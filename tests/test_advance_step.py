@@ -71,75 +71,40 @@ def valid_tensors(num_seqs=4, num_queries=3):
     return {name: paddle.to_tensor(value) for name, value in case.items()}
 
 
+# A table: one entry a line or two, not reflowed.
+# fmt: off
 BAD_INPUTS = [
     # (what to change, keyword overrides, expected message fragment)
-    (
-        "input_tokens dtype",
-        {"input_tokens": paddle.zeros([4], "int32")},
-        "argument 'input_tokens': expected dtype int64, got dtype int32",
-    ),
-    (
-        "sampled dtype",
-        {"sampled_token_ids": paddle.zeros([3, 1], "float32")},
-        "argument 'sampled_token_ids': expected dtype int64, got dtype float32",
-    ),
-    (
-        "seq_lens dtype",
-        {"seq_lens": paddle.zeros([4], "float32")},
-        "argument 'seq_lens': expected dtype int32 or int64, got dtype float32",
-    ),
-    (
-        "block_tables dtype",
-        {"block_tables": paddle.zeros([4, 5], "int16")},
-        "argument 'block_tables': expected dtype int32 or int64, got dtype int16",
-    ),
-    (
-        "input_positions shape",
-        {"input_positions": paddle.zeros([5], "int64")},
-        "argument 'input_positions': expected shape [4], got shape [5]",
-    ),
-    (
-        "slot_mapping rank",
-        {"slot_mapping": paddle.zeros([4, 1], "int64")},
-        "argument 'slot_mapping': expected shape [4], got shape [4, 1]",
-    ),
-    (
-        "sampled rows",
-        {"sampled_token_ids": paddle.zeros([2, 1], "int64")},
-        "argument 'sampled_token_ids': expected shape [3] or [3, 1], got shape [2, 1]",
-    ),
-    (
-        "block_tables rank",
-        {"block_tables": paddle.zeros([4], "int32")},
-        "argument 'block_tables': expected shape [4, -1], got shape [4]",
-    ),
-    ("block_size", {"block_size": 0}, "argument 'block_size': expected a positive integer, got 0"),
-    (
-        "num_queries > num_seqs",
-        {"num_queries": 5},
-        "argument 'num_queries': expected at most num_seqs (4), got 5",
-    ),
-    (
-        "num_queries",
-        {"num_queries": 0},
-        "argument 'num_queries': expected a positive integer, got 0",
-    ),
-    (
-        "num_seqs vs tensors",
-        {"num_seqs": 3},
-        "argument 'input_tokens': expected shape [3], got shape [4]",
-    ),
-    (
-        "active dtype",
-        {"active": paddle.zeros([4], "int32")},
-        "argument 'active': expected dtype bool, got dtype int32",
-    ),
-    (
-        "active shape",
-        {"active": paddle.zeros([3], "bool")},
-        "argument 'active': expected shape [4], got shape [3]",
-    ),
+    ("input_tokens dtype", {"input_tokens": paddle.zeros([4], "int32")},
+     "argument 'input_tokens': expected dtype int64, got dtype int32"),
+    ("sampled dtype", {"sampled_token_ids": paddle.zeros([3, 1], "float32")},
+     "argument 'sampled_token_ids': expected dtype int64, got dtype float32"),
+    ("seq_lens dtype", {"seq_lens": paddle.zeros([4], "float32")},
+     "argument 'seq_lens': expected dtype int32 or int64, got dtype float32"),
+    ("block_tables dtype", {"block_tables": paddle.zeros([4, 5], "int16")},
+     "argument 'block_tables': expected dtype int32 or int64, got dtype int16"),
+    ("input_positions shape", {"input_positions": paddle.zeros([5], "int64")},
+     "argument 'input_positions': expected shape [4], got shape [5]"),
+    ("slot_mapping rank", {"slot_mapping": paddle.zeros([4, 1], "int64")},
+     "argument 'slot_mapping': expected shape [4], got shape [4, 1]"),
+    ("sampled rows", {"sampled_token_ids": paddle.zeros([2, 1], "int64")},
+     "argument 'sampled_token_ids': expected shape [3] or [3, 1], got shape [2, 1]"),
+    ("block_tables rank", {"block_tables": paddle.zeros([4], "int32")},
+     "argument 'block_tables': expected shape [4, -1], got shape [4]"),
+    ("block_size", {"block_size": 0},
+     "argument 'block_size': expected a positive integer, got 0"),
+    ("num_queries > num_seqs", {"num_queries": 5},
+     "argument 'num_queries': expected at most num_seqs (4), got 5"),
+    ("num_queries", {"num_queries": 0},
+     "argument 'num_queries': expected a positive integer, got 0"),
+    ("num_seqs vs tensors", {"num_seqs": 3},
+     "argument 'input_tokens': expected shape [3], got shape [4]"),
+    ("active dtype", {"active": paddle.zeros([4], "int32")},
+     "argument 'active': expected dtype bool, got dtype int32"),
+    ("active shape", {"active": paddle.zeros([3], "bool")},
+     "argument 'active': expected shape [4], got shape [3]"),
 ]
+# fmt: on
 
 
 @pytest.mark.parametrize(

@@ -519,67 +519,28 @@ def test_rejects_a_non_positive_block_size():
 
 # FakeDecodeLoop arguments. "tight" pools hold little more than the largest
 # recovery budget, so preemption (and, with B above the pool, shortfall) is routine.
+# A table: one entry a line or two, not reflowed.
+# fmt: off
 LOOP_CONFIGS = {
-    "B1": dict(
-        batch_size=1,
-        max_model_len=32,
-        block_size=4,
-        blocks_per_seq=8,
-        num_decoder_blocks=7,
-        num_encoder_blocks=8,
-        prompt_len_range=(1, 16),
-        output_len_range=(1, 40),
-        num_requests=20,
-    ),
-    "B7-tight": dict(
-        batch_size=7,
-        max_model_len=16,
-        block_size=2,
-        blocks_per_seq=8,
-        num_decoder_blocks=3,
-        num_encoder_blocks=40,
-        prompt_len_range=(10, 14),
-        output_len_range=(1, 6),
-        num_requests=300,
-    ),
+    "B1": dict(batch_size=1, max_model_len=32, block_size=4, blocks_per_seq=8,
+               num_decoder_blocks=7, num_encoder_blocks=8, prompt_len_range=(1, 16),
+               output_len_range=(1, 40), num_requests=20),
+    "B7-tight": dict(batch_size=7, max_model_len=16, block_size=2, blocks_per_seq=8,
+                     num_decoder_blocks=3, num_encoder_blocks=40, prompt_len_range=(10, 14),
+                     output_len_range=(1, 6), num_requests=300),
     # blocks_per_seq * block_size < max_model_len: the op ends sequences at the table's end.
-    "B7-short-table": dict(
-        batch_size=7,
-        max_model_len=32,
-        block_size=2,
-        blocks_per_seq=12,
-        num_decoder_blocks=9,
-        num_encoder_blocks=60,
-        enc_dec_block_num=1,
-        prompt_len_range=(3, 16),
-        output_len_range=(4, 28),
-        stop_prob=0.01,
-        num_requests=60,
-        stopped_shape="[B,1]",
-    ),
-    "B83-tight": dict(
-        batch_size=83,
-        max_model_len=32,
-        block_size=2,
-        blocks_per_seq=16,
-        num_decoder_blocks=12,
-        num_encoder_blocks=600,
-        prompt_len_range=(9, 24),
-        output_len_range=(2, 16),
-    ),
-    "B83-column": dict(
-        batch_size=83,
-        max_model_len=64,
-        block_size=4,
-        blocks_per_seq=16,
-        num_decoder_blocks=20,
-        num_encoder_blocks=600,
-        enc_dec_block_num=1,
-        prompt_len_range=(1, 30),
-        output_len_range=(2, 40),
-        stopped_shape="[B,1]",
-    ),
+    "B7-short-table": dict(batch_size=7, max_model_len=32, block_size=2, blocks_per_seq=12,
+                           num_decoder_blocks=9, num_encoder_blocks=60, enc_dec_block_num=1,
+                           prompt_len_range=(3, 16), output_len_range=(4, 28), stop_prob=0.01,
+                           num_requests=60, stopped_shape="[B,1]"),
+    "B83-tight": dict(batch_size=83, max_model_len=32, block_size=2, blocks_per_seq=16,
+                      num_decoder_blocks=12, num_encoder_blocks=600, prompt_len_range=(9, 24),
+                      output_len_range=(2, 16)),
+    "B83-column": dict(batch_size=83, max_model_len=64, block_size=4, blocks_per_seq=16,
+                       num_decoder_blocks=20, num_encoder_blocks=600, enc_dec_block_num=1,
+                       prompt_len_range=(1, 30), output_len_range=(2, 40), stopped_shape="[B,1]"),
 }
+# fmt: on
 TIGHT = {"B7-tight", "B83-tight", "B7-short-table", "B83-column"}
 WITH_SHORTFALL = {"B7-tight", "B83-tight"}
 

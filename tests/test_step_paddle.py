@@ -19,23 +19,11 @@ from paddle_step.testing.step_paddle_cases import assert_same_bytes
 
 
 @pytest.mark.parametrize(
-    cases.LOOP_ARGNAMES,
-    [pytest.param(*config, id=key) for key, config in cases.LOOP_CONFIGS.items()],
+    "config", [pytest.param(config, id=key) for key, config in cases.LOOP_CONFIGS.items()]
 )
 @pytest.mark.parametrize("stopped_shape", ["[B]", "[B,1]"])
-def test_decode_loop_matches_reference(
-    place, batch, max_len, block_size, blocks_per_seq, decoder_blocks, encoder_blocks, stopped_shape
-):
-    cases.decode_loop(
-        run_op,
-        batch,
-        max_len,
-        block_size,
-        blocks_per_seq,
-        decoder_blocks,
-        encoder_blocks,
-        stopped_shape,
-    )
+def test_decode_loop_matches_reference(place, config, stopped_shape):
+    cases.decode_loop(run_op, config, stopped_shape)
 
 
 @pytest.mark.parametrize("batch", cases.RANDOM_STATE_BATCHES)
@@ -111,53 +99,29 @@ def valid_state():
     return make_state(3, 4, 16, free_list=[7, 6, 5])
 
 
+# A table: one entry a line or two, not reflowed.
+# fmt: off
 BAD_INPUTS = [
-    (
-        "stop_flags",
-        np.zeros(3, np.int32),
-        "argument 'stop_flags': expected dtype bool, got dtype int32",
-    ),
-    (
-        "block_tables",
-        np.zeros((3, 4), np.int64),
-        "argument 'block_tables': expected dtype int32, got dtype int64",
-    ),
-    (
-        "input_ids",
-        np.zeros((3, 16), np.int32),
-        "argument 'input_ids': expected dtype int64, got dtype int32",
-    ),
-    (
-        "seq_lens_decoder",
-        np.zeros(4, np.int32),
-        "argument 'seq_lens_decoder': expected shape [3] or [3, 1], got shape [4]",
-    ),
-    (
-        "is_block_step",
-        np.zeros((3, 1), np.bool_),
-        "argument 'is_block_step': expected shape [3], got shape [3, 1]",
-    ),
-    (
-        "block_tables",
-        np.zeros(3, np.int32),
-        "argument 'block_tables': expected shape [3, -1], got shape [3]",
-    ),
-    (
-        "free_list_len",
-        np.zeros(2, np.int32),
-        "argument 'free_list_len': expected shape [1], got shape [2]",
-    ),
-    (
-        "pre_ids",
-        np.zeros((2, 16), np.int64),
-        "argument 'pre_ids': expected shape [3, -1], got shape [2, 16]",
-    ),
-    (
-        "free_list",
-        np.zeros((3, 1), np.int32),
-        "argument 'free_list': expected shape [-1], got shape [3, 1]",
-    ),
+    ("stop_flags", np.zeros(3, np.int32),
+     "argument 'stop_flags': expected dtype bool, got dtype int32"),
+    ("block_tables", np.zeros((3, 4), np.int64),
+     "argument 'block_tables': expected dtype int32, got dtype int64"),
+    ("input_ids", np.zeros((3, 16), np.int32),
+     "argument 'input_ids': expected dtype int64, got dtype int32"),
+    ("seq_lens_decoder", np.zeros(4, np.int32),
+     "argument 'seq_lens_decoder': expected shape [3] or [3, 1], got shape [4]"),
+    ("is_block_step", np.zeros((3, 1), np.bool_),
+     "argument 'is_block_step': expected shape [3], got shape [3, 1]"),
+    ("block_tables", np.zeros(3, np.int32),
+     "argument 'block_tables': expected shape [3, -1], got shape [3]"),
+    ("free_list_len", np.zeros(2, np.int32),
+     "argument 'free_list_len': expected shape [1], got shape [2]"),
+    ("pre_ids", np.zeros((2, 16), np.int64),
+     "argument 'pre_ids': expected shape [3, -1], got shape [2, 16]"),
+    ("free_list", np.zeros((3, 1), np.int32),
+     "argument 'free_list': expected shape [-1], got shape [3, 1]"),
 ]
+# fmt: on
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,12 @@ from paddle_step.testing.advance_step_cases import ADVANCE_STEP_OUTPUTS, make_ca
 from paddle_step.testing.fake_decode_loop import FakeDecodeLoop
 from paddle_step.testing.ref_advance_step import ref_advance_step
 from paddle_step.testing.ref_step_paddle import ref_step_paddle
-from paddle_step.testing.step_paddle_cases import LOOP_ARGNAMES, LOOP_CONFIGS, assert_same_bytes
+from paddle_step.testing.step_paddle_cases import (
+    LOOP_CONFIGS,
+    assert_same_bytes,
+    batch_4096_loop,
+    tight_loop,
+)
 
 
 @pytest.fixture(scope="module")
@@ -93,31 +98,13 @@ def test_advance_step_edge_cases(gpu_advance_step, name):
     advance_step_cases.FIXED_CASES[name](gpu_advance_step)
 
 
-LOOP_PARAMS = [pytest.param(*config, id=key) for key, config in LOOP_CONFIGS.items()]
+LOOP_PARAMS = [pytest.param(config, id=key) for key, config in LOOP_CONFIGS.items()]
 
 
-@pytest.mark.parametrize(LOOP_ARGNAMES, LOOP_PARAMS)
+@pytest.mark.parametrize("config", LOOP_PARAMS)
 @pytest.mark.parametrize("stopped_shape", ["[B]", "[B,1]"])
-def test_step_paddle_decode_loop(
-    gpu_step_paddle,
-    batch,
-    max_len,
-    block_size,
-    blocks_per_seq,
-    decoder_blocks,
-    encoder_blocks,
-    stopped_shape,
-):
-    step_paddle_cases.decode_loop(
-        gpu_step_paddle,
-        batch,
-        max_len,
-        block_size,
-        blocks_per_seq,
-        decoder_blocks,
-        encoder_blocks,
-        stopped_shape,
-    )
+def test_step_paddle_decode_loop(gpu_step_paddle, config, stopped_shape):
+    step_paddle_cases.decode_loop(gpu_step_paddle, config, stopped_shape)
 
 
 @pytest.mark.parametrize("batch", step_paddle_cases.RANDOM_STATE_BATCHES)
@@ -151,6 +138,17 @@ def test_advance_step_cuda_graph(gpu, seq_lens_dtype, tables_dtype, with_active)
             arrays["active"] = active
         return case, active, arrays
 
+    def reference(inputs, active):
+        """The reference's outputs for ``inputs``, by name."""
+        outputs = ref_advance_step(
+            **inputs,
+            num_seqs=num_seqs,
+            num_queries=num_queries,
+            block_size=block_size,
+            active=active,
+        )
+        return dict(zip(ADVANCE_STEP_OUTPUTS, outputs))
+
     case, active, arrays = fresh_inputs()
     # A first launch outside the capture also loads the kernel (CUDA lazy loading).
     gpu.run_advance_step(case, active, num_seqs, num_queries, block_size)
@@ -165,36 +163,14 @@ def test_advance_step_cuda_graph(gpu, seq_lens_dtype, tables_dtype, with_active)
                 case, active, arrays = fresh_inputs()
                 gpu.copy_into(buffers, arrays)
             replay()
-            expected = dict(
-                zip(
-                    ADVANCE_STEP_OUTPUTS,
-                    ref_advance_step(
-                        **case,
-                        num_seqs=num_seqs,
-                        num_queries=num_queries,
-                        block_size=block_size,
-                        active=active,
-                    ),
-                )
-            )
+            expected = reference(case, active)
             assert_same_bytes(
                 gpu.download(buffers), expected, ADVANCE_STEP_OUTPUTS, f"replay {trial}:"
             )
         # Replaying again reads the buffers as they are now: a second step.
         replay()
         twice = dict(case, **expected)
-        expected = dict(
-            zip(
-                ADVANCE_STEP_OUTPUTS,
-                ref_advance_step(
-                    **twice,
-                    num_seqs=num_seqs,
-                    num_queries=num_queries,
-                    block_size=block_size,
-                    active=active,
-                ),
-            )
-        )
+        expected = reference(twice, active)
         assert_same_bytes(gpu.download(buffers), expected, ADVANCE_STEP_OUTPUTS, "second replay:")
 
 
@@ -225,46 +201,19 @@ def _graph_decode_loop(gpu, loop: FakeDecodeLoop, block_size: int, max_steps: in
     return calls
 
 
-@pytest.mark.parametrize(LOOP_ARGNAMES, LOOP_PARAMS)
-def test_step_paddle_cuda_graph_decode_loop(
-    gpu, batch, max_len, block_size, blocks_per_seq, decoder_blocks, encoder_blocks
-):
+@pytest.mark.parametrize("config", LOOP_PARAMS)
+def test_step_paddle_cuda_graph_decode_loop(gpu, config):
     # The loop of test_decode_loop_matches_reference, every step a graph replay.
-    loop = FakeDecodeLoop(
-        batch,
-        max_len,
-        block_size,
-        blocks_per_seq,
-        decoder_blocks,
-        encoder_blocks,
-        seed=batch,
-        stop_prob=0.01,
-        prompt_len_range=(1, 2 * block_size),
-        output_len_range=(1, max_len // 2),
-        num_requests=max(12, 2 * batch),
-    )
-    calls = _graph_decode_loop(gpu, loop, block_size, max_steps=3000)
+    loop = tight_loop(config)
+    calls = _graph_decode_loop(gpu, loop, block_size=config[2], max_steps=3000)
     assert loop.done and calls > 10
-    if batch > 1:
+    if config[0] > 1:
         assert loop.preemptions > 0 and loop.recoveries > 0
 
 
 def test_step_paddle_cuda_graph_batch_4096(gpu):
     # test_batch_4096's loop, every step a graph replay.
-    loop = FakeDecodeLoop(
-        4096,
-        32,
-        8,
-        4,
-        1500,
-        9000,
-        seed=7,
-        arrival_prob=0.9,
-        stop_prob=0.05,
-        prompt_len_range=(1, 8),
-        output_len_range=(1, 24),
-        num_requests=4096,
-    )
+    loop = batch_4096_loop()
     assert _graph_decode_loop(gpu, loop, 8, max_steps=12) == 12
     used = np.asarray(loop.state()["used_list_len"]).reshape(-1)
     assert used[256:].sum() > 0 and loop.preemptions > 0
@@ -278,19 +227,10 @@ TIMING_BATCHES = (1, 64, 256, 1024, 4096)
 def _busy_state(gpu, batch: int, block_size: int = 8) -> dict:
     """A serving state: a tight fake loop run a few steps through the GPU kernel."""
     loop = FakeDecodeLoop(
-        batch,
-        32,
-        block_size,
-        4,
-        max(4, 3 * batch // 8),
-        max(8, 9 * batch // 4),
-        seed=batch,
-        arrival_prob=0.9,
-        stop_prob=0.05,
-        prompt_len_range=(1, 8),
-        output_len_range=(1, 24),
+        batch, 32, block_size, 4, max(4, 3 * batch // 8), max(8, 9 * batch // 4), seed=batch,
+        arrival_prob=0.9, stop_prob=0.05, prompt_len_range=(1, 8), output_len_range=(1, 24),
         num_requests=4 * batch,
-    )
+    )  # fmt: skip
     for _ in range(8):
         loop.host_update()
         loop.load(gpu.run_step_paddle(loop.state(), block_size))

@@ -23,7 +23,6 @@ LOOP_CONFIGS = {
     "B83-tight": (83, 96, 8, 12, 40, 300),
     "B256": (256, 64, 16, 4, 80, 600),
 }
-LOOP_ARGNAMES = "batch,max_len,block_size,blocks_per_seq,decoder_blocks,encoder_blocks"
 RANDOM_STATE_BATCHES = (1, 2, 7, 33)
 
 
@@ -49,35 +48,25 @@ def checked_step(run_op: StepRunner, block_size: int, calls: list):
     return step
 
 
-def decode_loop(
-    run_op: StepRunner,
-    batch,
-    max_len,
-    block_size,
-    blocks_per_seq,
-    decoder_blocks,
-    encoder_blocks,
-    stopped_shape="[B]",
-) -> None:
-    """A fake FastDeploy loop under a tight decoder pool, every call checked."""
-    loop = FakeDecodeLoop(
-        batch,
-        max_len,
-        block_size,
-        blocks_per_seq,
-        decoder_blocks,
-        encoder_blocks,
-        seed=batch,
-        stopped_shape=stopped_shape,
-        stop_prob=0.01,
-        prompt_len_range=(1, 2 * block_size),
-        output_len_range=(1, max_len // 2),
+def tight_loop(config: tuple, stopped_shape: str = "[B]") -> FakeDecodeLoop:
+    """The fake FastDeploy loop of one of ``LOOP_CONFIGS`` (its decoder pool is tight)."""
+    batch, max_len, block_size, blocks_per_seq, decoder_blocks, encoder_blocks = config
+    return FakeDecodeLoop(
+        batch, max_len, block_size, blocks_per_seq, decoder_blocks, encoder_blocks,
+        seed=batch, stopped_shape=stopped_shape, stop_prob=0.01,
+        prompt_len_range=(1, 2 * block_size), output_len_range=(1, max_len // 2),
         num_requests=max(12, 2 * batch),
-    )
+    )  # fmt: skip
+
+
+def decode_loop(run_op: StepRunner, config: tuple, stopped_shape: str = "[B]") -> None:
+    """``tight_loop(config)`` run to the end, every call checked."""
+    loop = tight_loop(config, stopped_shape)
     calls = []
+    block_size = config[2]
     loop.run(checked_step(run_op, block_size, calls), max_steps=3000)
     assert loop.done and len(calls) > 10
-    if batch > 1:  # a tight pool: the interesting paths really ran
+    if config[0] > 1:  # a tight pool: the interesting paths really ran
         assert loop.preemptions > 0 and loop.recoveries > 0
 
 
@@ -85,19 +74,9 @@ def shortfall(run_op: StepRunner) -> None:
     # Many arrivals with one-block prompts and a pool of a few blocks: needy
     # sequences outnumber the pool while nobody holds a decoder block.
     loop = FakeDecodeLoop(
-        16,
-        32,
-        4,
-        8,
-        7,
-        64,
-        seed=3,
-        arrival_prob=1.0,
-        stop_prob=0.0,
-        prompt_len_range=(4, 4),
-        output_len_range=(8, 20),
-        num_requests=48,
-    )
+        16, 32, 4, 8, 7, 64, seed=3, arrival_prob=1.0, stop_prob=0.0,
+        prompt_len_range=(4, 4), output_len_range=(8, 20), num_requests=48,
+    )  # fmt: skip
     loop.run(checked_step(run_op, 4, []), max_steps=3000)
     assert loop.shortfalls > 0
 
@@ -153,22 +132,17 @@ def random_states(run_op: StepRunner, batch: int) -> None:
         )
 
 
+def batch_4096_loop() -> FakeDecodeLoop:
+    """4096 slots with a busy arrival stream: slots past 255 hold blocks within steps."""
+    return FakeDecodeLoop(
+        4096, 32, 8, 4, 1500, 9000, seed=7, arrival_prob=0.9, stop_prob=0.05,
+        prompt_len_range=(1, 8), output_len_range=(1, 24), num_requests=4096,
+    )  # fmt: skip
+
+
 def batch_4096(run_op: StepRunner) -> None:
     # Beyond FastDeploy's 256-thread limit: slots past 255 are served too.
-    loop = FakeDecodeLoop(
-        4096,
-        32,
-        8,
-        4,
-        1500,
-        9000,
-        seed=7,
-        arrival_prob=0.9,
-        stop_prob=0.05,
-        prompt_len_range=(1, 8),
-        output_len_range=(1, 24),
-        num_requests=4096,
-    )
+    loop = batch_4096_loop()
     step = checked_step(run_op, 8, [])
     for _ in range(12):
         loop.host_update()
