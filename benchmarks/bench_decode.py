@@ -68,16 +68,8 @@ MAX_NEW_TOKENS = 256
 PROMPT_LEN_RANGE = (8, 32)
 # The inputs step_paddle writes, by argument index.
 STEP_PADDLE_WRITTEN = tuple(STEP_PADDLE_TENSORS.index(name) for name in STEP_PADDLE_OUTPUTS)
-PHASES = (
-    "admit",
-    "forward",
-    "sampling",
-    "post_process",
-    "step_paddle",
-    "advance_step",
-    "advance_step_op",
-    "host",
-)
+PHASES = ("admit", "forward", "sampling", "post_process", "step_paddle", "advance_step",
+          "advance_step_op", "host")  # fmt: skip
 # Phases that are disjoint parts of Engine.step (advance_step_op is inside advance_step).
 DISJOINT = ("admit", "forward", "sampling", "post_process", "step_paddle", "advance_step", "host")
 
@@ -307,18 +299,8 @@ def print_table(report: dict) -> None:
         f"{report['model']['num_layers']} layers), CPU, paddle {env['paddle']}, "
         f"{env['cpu_count']} cores (shared, noisy machine). Mean us per step."
     )
-    cols = (
-        "step",
-        "forward",
-        "sampling",
-        "post_process",
-        "step_paddle",
-        "advance_step",
-        "advance_step_op",
-        "host",
-        "admit",
-        "other",
-    )
+    cols = ("step", "forward", "sampling", "post_process", "step_paddle", "advance_step",
+            "advance_step_op", "host", "admit", "other")  # fmt: skip
     print(
         f"{'B':>4s} "
         + " ".join(f"{c[:12]:>12s}" for c in cols)

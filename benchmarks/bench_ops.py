@@ -24,7 +24,7 @@ Implementations, beside each op (``op``: ``paddle_step.<op>``, the pybind11 fast
 - ``generated``: Paddle's generated custom-op API ``paddle_step_ops.static_op_<op>`` in
   dynamic mode (the registered op through Paddle's custom-op dispatch);
 - ``to_static``: the op inside a ``paddle.jit.to_static`` function (a whole program run);
-- ``reference``: the NumPy reference (tests/ref_*.py) on NumPy copies of the state;
+- ``reference``: the NumPy reference (paddle_step.testing.ref_*) on NumPy copies of the state;
 - ``vectorized`` (advance_step only): the same step in built-in Paddle ops (take_along_axis,
   where, assign), what a user would write without the op;
 - ``floor``: one built-in in-place Paddle op on a [B] int64 tensor, the cheapest of

@@ -45,14 +45,7 @@ def test_in_place_inside_to_static():
         )
         return seq_lens
 
-    returned = advance(
-        tensors["input_tokens"],
-        tensors["sampled_token_ids"],
-        tensors["input_positions"],
-        tensors["seq_lens"],
-        tensors["slot_mapping"],
-        tensors["block_tables"],
-    )
+    returned = advance(*tensors.values())  # make_case's keys are in the op's order
     assert_same([tensors[name].numpy() for name in ADVANCE_STEP_OUTPUTS], expected)
     np.testing.assert_array_equal(returned.numpy(), expected[2])
 
