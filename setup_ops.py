@@ -88,6 +88,9 @@ setup(
     name=LIBRARY_NAME,
     version="0.1.0",
     ext_modules=make_extension(),
-    packages=["paddle_step"],
+    packages=["paddle_step", "paddle_step.testing"],
     package_dir={"": "python"},
+    # Not paddle: it comes as paddlepaddle or paddlepaddle-gpu (one name per build), and
+    # naming either would make pip replace the other; the build needs it installed anyway.
+    install_requires=["numpy"],
 )

@@ -10,14 +10,16 @@ every slot, a few decodes) are warm-up; then ``--steps`` steps are timed.
 Each timed step is split by wrapping, in this process only, the engine's phases with
 ``time.perf_counter_ns`` timers (nothing in the engine is changed):
 
-- ``forward``: ``Engine._forward`` (flat batch, paged-attention forward, logits);
-- ``sampling``: ``sample_tokens`` (+ ``_uniforms``);
-- ``post_process``: ``Engine._update_inputs`` (FastDeploy's update_inputs, in Paddle ops);
+- ``forward``: ``ModelRunner.forward`` (flat batch, paged-attention forward, logits);
+- ``sampling``: ``sample_tokens`` (+ ``Engine._uniforms``);
+- ``post_process``: ``ModelRunner.update_inputs`` (FastDeploy's update_inputs, in Paddle ops);
 - ``step_paddle``: the op call itself;
-- ``advance_step``: ``Engine._advance_decode_inputs`` (two assigns + the op), and
+- ``advance_step``: ``ModelRunner.advance_decode_inputs`` (two assigns + the op), and
   ``advance_step_op``: the op call alone;
-- ``host``: ``Engine._sync_host`` + ``Engine._retire`` (the one copy back, host mirrors);
-- ``admit``: ``Engine._admit``; ``other``: the rest of ``Engine.step``.
+- ``host``: ``ModelRunner.sync_host`` (the one copy back), ``Scheduler.record`` (host
+  mirrors), ``Engine._count`` (stats), ``Scheduler.retire`` + ``ModelRunner.clear_slots``;
+- ``admit``: ``Scheduler.admit`` + ``ModelRunner.write_admitted``; ``other``: the rest of
+  ``Engine.step``.
 
 ``bookkeeping`` = step - forward (everything but the model forward, sampling included);
 ``bookkeeping_ex_sampling`` = step - forward - sampling; ``ops`` = step_paddle +
@@ -43,12 +45,6 @@ import platform
 import sys
 import time
 import warnings
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-for _sub in ("tests", "python"):
-    if str(ROOT / _sub) not in sys.path:
-        sys.path.insert(0, str(ROOT / _sub))
 
 import zlib  # noqa: F401,E402  isort: skip  (see tests/conftest.py)
 
@@ -58,11 +54,11 @@ warnings.filterwarnings("ignore", message=".*ccache.*")
 import paddle  # noqa: E402
 from paddle.base import core  # noqa: E402
 
-import paddle_step.engine as engine_module  # noqa: E402
+import paddle_step.model_runner as runner_module  # noqa: E402
 from paddle_step.engine import Engine  # noqa: E402
 from paddle_step.model import ModelConfig, TinyLlama  # noqa: E402
-from ref_step_paddle import STEP_PADDLE_TENSORS  # noqa: E402
 from paddle_step.state import EngineConfig  # noqa: E402
+from paddle_step.tensor_table import STEP_PADDLE_OUTPUTS, STEP_PADDLE_TENSORS  # noqa: E402
 
 FULL_BATCHES = (1, 8, 64, 256)
 QUICK_BATCHES = (1, 8)
@@ -70,15 +66,12 @@ BLOCK_SIZE = 16
 MAX_MODEL_LEN = 320  # 32-token prompts + 256 new tokens fit
 MAX_NEW_TOKENS = 256
 PROMPT_LEN_RANGE = (8, 32)
-# The inputs step_paddle writes (SPEC: all but these four), by argument index.
-STEP_PADDLE_WRITTEN = tuple(
-    index for index, name in enumerate(STEP_PADDLE_TENSORS)
-    if name not in ("ori_seq_lens_encoder", "pre_ids", "step_idx", "next_tokens"))
+# The inputs step_paddle writes, by argument index.
+STEP_PADDLE_WRITTEN = tuple(STEP_PADDLE_TENSORS.index(name) for name in STEP_PADDLE_OUTPUTS)
 PHASES = ("admit", "forward", "sampling", "post_process", "step_paddle", "advance_step",
-          "advance_step_op", "host")
+          "advance_step_op", "host")  # fmt: skip
 # Phases that are disjoint parts of Engine.step (advance_step_op is inside advance_step).
-DISJOINT = ("admit", "forward", "sampling", "post_process", "step_paddle", "advance_step",
-            "host")
+DISJOINT = ("admit", "forward", "sampling", "post_process", "step_paddle", "advance_step", "host")
 
 
 def _host_allocated() -> int:
@@ -114,6 +107,7 @@ class StepProbe:
                 return fn(*args, **kwargs)
             finally:
                 current[phase] += clock() - start
+
         return wrapper
 
     def _op_probe(self, name, fn, written):
@@ -133,37 +127,53 @@ class StepProbe:
             current[phase] += clock() - start
             peak = _host_peak() - before if _CAN_RESET_PEAK else None
             self.op_alloc[name].append((_host_allocated() - before, peak))
-            self.pointer_changes[name] += sum(
-                p != t.data_ptr() for p, t in zip(pointers, tensors))
+            self.pointer_changes[name] += sum(p != t.data_ptr() for p, t in zip(pointers, tensors))
             self.op_calls[name] += 1
             return result
+
         return wrapper
 
-    def install(self) -> None:
+    # (phase, part of the engine, method): the disjoint parts of Engine.step.
+    def _methods(self):
         engine = self.engine
-        for phase, attr in (("admit", "_admit"), ("forward", "_forward"),
-                            ("post_process", "_update_inputs"),
-                            ("advance_step", "_advance_decode_inputs")):
-            setattr(engine, attr, self._timed(phase, getattr(engine, attr)))
-        engine._uniforms = self._timed("sampling", engine._uniforms)
-        engine._sync_host = self._timed("host", engine._sync_host)
-        engine._retire = self._timed("host", engine._retire)
-        self._saved = {name: getattr(engine_module, name)
-                       for name in ("sample_tokens", "step_paddle", "advance_step")}
-        engine_module.sample_tokens = self._timed("sampling", self._saved["sample_tokens"])
-        engine_module.step_paddle = self._op_probe(
-            "step_paddle", self._saved["step_paddle"],
-            lambda args: [args[i] for i in STEP_PADDLE_WRITTEN])
-        engine_module.advance_step = self._op_probe(
-            "advance_step", self._saved["advance_step"],
-            lambda args: [args[0], args[2], args[3], args[4]])
+        return (
+            ("admit", engine.scheduler, "admit"),
+            ("admit", engine.runner, "write_admitted"),
+            ("forward", engine.runner, "forward"),
+            ("sampling", engine, "_uniforms"),
+            ("post_process", engine.runner, "update_inputs"),
+            ("advance_step", engine.runner, "advance_decode_inputs"),
+            ("host", engine.runner, "sync_host"),
+            ("host", engine.scheduler, "record"),
+            ("host", engine, "_count"),
+            ("host", engine.scheduler, "retire"),
+            ("host", engine.runner, "clear_slots"),
+        )
+
+    def install(self) -> None:
+        for phase, owner, attr in self._methods():
+            setattr(owner, attr, self._timed(phase, getattr(owner, attr)))
+        self._saved = {
+            name: getattr(runner_module, name)
+            for name in ("sample_tokens", "step_paddle", "advance_step")
+        }
+        runner_module.sample_tokens = self._timed("sampling", self._saved["sample_tokens"])
+        runner_module.step_paddle = self._op_probe(
+            "step_paddle",
+            self._saved["step_paddle"],
+            lambda args: [args[i] for i in STEP_PADDLE_WRITTEN],
+        )
+        runner_module.advance_step = self._op_probe(
+            "advance_step",
+            self._saved["advance_step"],
+            lambda args: [args[0], args[2], args[3], args[4]],
+        )
 
     def uninstall(self) -> None:
         for name, fn in self._saved.items():
-            setattr(engine_module, name, fn)
-        for attr in ("_admit", "_forward", "_update_inputs", "_advance_decode_inputs",
-                     "_uniforms", "_sync_host", "_retire"):
-            self.engine.__dict__.pop(attr, None)
+            setattr(runner_module, name, fn)
+        for _, owner, attr in self._methods():
+            owner.__dict__.pop(attr, None)
 
     def reset(self) -> None:
         for phase in self.current:
@@ -173,8 +183,13 @@ class StepProbe:
 def make_engine(batch: int, seed: int) -> tuple[Engine, list]:
     model = TinyLlama(ModelConfig(seed=seed))
     per_region = batch * (MAX_MODEL_LEN // BLOCK_SIZE)
-    config = EngineConfig(max_batch=batch, max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
-                          num_kv_blocks=2 * per_region, decoder_pool_ratio=0.5)
+    config = EngineConfig(
+        max_batch=batch,
+        max_model_len=MAX_MODEL_LEN,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=2 * per_region,
+        decoder_pool_ratio=0.5,
+    )
     engine = Engine(model, config, seed=seed)
     rng = np.random.default_rng(seed)
     vocab = model.config.vocab_size
@@ -214,7 +229,7 @@ def bench_batch(batch: int, steps: int, warmup: int, seed: int = 0) -> dict:
         finally:
             gc.enable()
         tokens = engine.stats.generated_tokens - tokens_before
-        running = int(engine._running.sum())
+        running = int(engine.scheduler.running.sum())
     finally:
         probe.uninstall()
 
@@ -237,8 +252,9 @@ def bench_batch(batch: int, steps: int, warmup: int, seed: int = 0) -> dict:
         allocs[name] = {
             "calls": probe.op_calls[name],
             "allocated_bytes_per_call_max": int(max(held, default=0)),
-            "transient_peak_bytes_per_call_max":
-                int(max(peak, default=0)) if _CAN_RESET_PEAK else None,
+            "transient_peak_bytes_per_call_max": int(max(peak, default=0))
+            if _CAN_RESET_PEAK
+            else None,
             "data_pointer_changes": probe.pointer_changes[name],
         }
     return {
@@ -250,43 +266,70 @@ def bench_batch(batch: int, steps: int, warmup: int, seed: int = 0) -> dict:
         "mean_us": mean,
         "median_us": {key: median_us(key) for key in ("step", *PHASES)},
         "fraction_of_step": {
-            key: mean[key] / mean["step"] for key in (
-                "forward", "bookkeeping", "bookkeeping_ex_sampling", "ops", "sampling",
-                "post_process", "step_paddle", "advance_step", "host", "admit", "other")
+            key: mean[key] / mean["step"]
+            for key in (
+                "forward",
+                "bookkeeping",
+                "bookkeeping_ex_sampling",
+                "ops",
+                "sampling",
+                "post_process",
+                "step_paddle",
+                "advance_step",
+                "host",
+                "admit",
+                "other",
+            )
         },
         "op_allocations": allocs,
         "step_host_bytes_held_after_max": int(max(step_alloc, default=0)),
-        "config": {"max_model_len": config.max_model_len, "block_size": config.block_size,
-                   "num_kv_blocks": config.num_kv_blocks, "warmup_steps": warmup},
+        "config": {
+            "max_model_len": config.max_model_len,
+            "block_size": config.block_size,
+            "num_kv_blocks": config.num_kv_blocks,
+            "warmup_steps": warmup,
+        },
     }
 
 
 def print_table(report: dict) -> None:
     env = report["env"]
-    print(f"Engine decode steps, TinyLlama (hidden {report['model']['hidden_size']}, "
-          f"{report['model']['num_layers']} layers), CPU, paddle {env['paddle']}, "
-          f"{env['cpu_count']} cores (shared, noisy machine). Mean us per step.")
+    print(
+        f"Engine decode steps, TinyLlama (hidden {report['model']['hidden_size']}, "
+        f"{report['model']['num_layers']} layers), CPU, paddle {env['paddle']}, "
+        f"{env['cpu_count']} cores (shared, noisy machine). Mean us per step."
+    )
     cols = ("step", "forward", "sampling", "post_process", "step_paddle", "advance_step",
-            "advance_step_op", "host", "admit", "other")
-    print(f"{'B':>4s} " + " ".join(f"{c[:12]:>12s}" for c in cols) +
-          f" {'bookkeep%':>9s} {'ex-samp%':>8s} {'ops%':>6s} {'tok/s':>9s}")
+            "advance_step_op", "host", "admit", "other")  # fmt: skip
+    print(
+        f"{'B':>4s} "
+        + " ".join(f"{c[:12]:>12s}" for c in cols)
+        + f" {'bookkeep%':>9s} {'ex-samp%':>8s} {'ops%':>6s} {'tok/s':>9s}"
+    )
     for row in report["results"]:
         m, f = row["mean_us"], row["fraction_of_step"]
-        print(f"{row['B']:>4d} " + " ".join(f"{m[c]:>12.1f}" for c in cols) +
-              f" {100 * f['bookkeeping']:>8.1f}% {100 * f['bookkeeping_ex_sampling']:>7.1f}%"
-              f" {100 * f['ops']:>5.2f}% {row['tokens_per_s']:>9.0f}")
+        print(
+            f"{row['B']:>4d} "
+            + " ".join(f"{m[c]:>12.1f}" for c in cols)
+            + f" {100 * f['bookkeeping']:>8.1f}% {100 * f['bookkeeping_ex_sampling']:>7.1f}%"
+            f" {100 * f['ops']:>5.2f}% {row['tokens_per_s']:>9.0f}"
+        )
     print("\nallocation by the ops (host allocator stats around each call; data pointers):")
     for row in report["results"]:
         parts = []
         for name, a in row["op_allocations"].items():
-            parts.append(f"{name}: {a['calls']} calls, held {a['allocated_bytes_per_call_max']} B, "
-                         f"transient peak {a['transient_peak_bytes_per_call_max']} B, "
-                         f"pointer changes {a['data_pointer_changes']}")
+            parts.append(
+                f"{name}: {a['calls']} calls, held {a['allocated_bytes_per_call_max']} B, "
+                f"transient peak {a['transient_peak_bytes_per_call_max']} B, "
+                f"pointer changes {a['data_pointer_changes']}"
+            )
         print(f"  B={row['B']:>4d}: " + "; ".join(parts))
     print("\ntargets:")
     for check in report["targets"]:
-        print(f"  [{'MET ' if check['met'] else 'MISS'}] {check['target']}: "
-              f"{100 * check['value']:.1f}%")
+        print(
+            f"  [{'MET ' if check['met'] else 'MISS'}] {check['target']}: "
+            f"{100 * check['value']:.1f}%"
+        )
 
 
 def parse_args(argv=None):
@@ -297,8 +340,13 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, help="timed steps per batch size")
     parser.add_argument("--warmup", type=int, help="untimed steps first (prefill included)")
     args = parser.parse_args(argv)
-    args.batches = (tuple(int(b) for b in args.batches.split(",")) if args.batches
-                    else QUICK_BATCHES if args.quick else FULL_BATCHES)
+    args.batches = (
+        tuple(int(b) for b in args.batches.split(","))
+        if args.batches
+        else QUICK_BATCHES
+        if args.quick
+        else FULL_BATCHES
+    )
     args.steps = args.steps or (4 if args.quick else 60)
     args.warmup = args.warmup or (2 if args.quick else 4)
     return args
@@ -318,22 +366,39 @@ def main(argv=None) -> dict:
     for row in results:
         if row["B"] == 64:
             value = row["fraction_of_step"]["bookkeeping"]
-            targets.append({"target": "bookkeeping (step - forward) < 10% of step at B=64",
-                            "value": value, "met": bool(value < 0.10),
-                            "bookkeeping_ex_sampling": row["fraction_of_step"][
-                                "bookkeeping_ex_sampling"],
-                            "ops": row["fraction_of_step"]["ops"]})
+            targets.append(
+                {
+                    "target": "bookkeeping (step - forward) < 10% of step at B=64",
+                    "value": value,
+                    "met": bool(value < 0.10),
+                    "bookkeeping_ex_sampling": row["fraction_of_step"]["bookkeeping_ex_sampling"],
+                    "ops": row["fraction_of_step"]["ops"],
+                }
+            )
     model = ModelConfig()
     report = {
         "benchmark": "bench_decode",
-        "env": {"paddle": paddle.__version__, "python": platform.python_version(),
-                "platform": platform.platform(), "cpu_count": os.cpu_count(), "device": "cpu",
-                "note": "shared machine, other jobs running; wall time per phase"},
-        "model": {"hidden_size": model.hidden_size, "num_layers": model.num_layers,
-                  "vocab_size": model.vocab_size},
-        "config": {"quick": args.quick, "batches": list(args.batches), "steps": args.steps,
-                   "warmup": args.warmup, "max_new_tokens": MAX_NEW_TOKENS,
-                   "prompt_len_range": list(PROMPT_LEN_RANGE)},
+        "env": {
+            "paddle": paddle.__version__,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "device": "cpu",
+            "note": "shared machine, other jobs running; wall time per phase",
+        },
+        "model": {
+            "hidden_size": model.hidden_size,
+            "num_layers": model.num_layers,
+            "vocab_size": model.vocab_size,
+        },
+        "config": {
+            "quick": args.quick,
+            "batches": list(args.batches),
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "max_new_tokens": MAX_NEW_TOKENS,
+            "prompt_len_range": list(PROMPT_LEN_RANGE),
+        },
         "results": results,
         "targets": targets,
         "elapsed_s": round(time.time() - started, 1),

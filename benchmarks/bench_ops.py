@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Per-call latency of ``step_paddle`` and ``advance_step`` against their baselines.
 
-States are captured from ``tests/fake_decode_loop.FakeDecodeLoop`` (the op drives the loop
-until the captured call), in two scenarios:
+States are captured from ``paddle_step.testing.fake_decode_loop.FakeDecodeLoop`` (the op
+drives the loop until the captured call), in two scenarios:
 
 - ``preempt``: a decoder pool of max(B, 32) blocks; the captured step_paddle call is the
   first one that preempts (the pool ran dry), so it frees, preempts and dispatches;
@@ -24,7 +24,7 @@ Implementations, beside each op (``op``: ``paddle_step.<op>``, the pybind11 fast
 - ``generated``: Paddle's generated custom-op API ``paddle_step_ops.static_op_<op>`` in
   dynamic mode (the registered op through Paddle's custom-op dispatch);
 - ``to_static``: the op inside a ``paddle.jit.to_static`` function (a whole program run);
-- ``reference``: the NumPy reference (tests/ref_*.py) on NumPy copies of the state;
+- ``reference``: the NumPy reference (paddle_step.testing.ref_*) on NumPy copies of the state;
 - ``vectorized`` (advance_step only): the same step in built-in Paddle ops (take_along_axis,
   where, assign), what a user would write without the op;
 - ``floor``: one built-in in-place Paddle op on a [B] int64 tensor, the cheapest of
@@ -46,11 +46,6 @@ import time
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for _sub in ("tests", "python"):
-    if str(ROOT / _sub) not in sys.path:
-        sys.path.insert(0, str(ROOT / _sub))
-
 import zlib  # noqa: F401,E402  isort: skip  (see tests/conftest.py)
 
 import numpy as np  # noqa: E402
@@ -61,14 +56,10 @@ from paddle import _C_ops  # noqa: E402
 
 import paddle_step  # noqa: E402
 import paddle_step_ops  # noqa: E402
-from fake_decode_loop import FakeDecodeLoop  # noqa: E402
-from ref_advance_step import ref_advance_step  # noqa: E402
-from ref_step_paddle import STEP_PADDLE_TENSORS, ref_step_paddle  # noqa: E402
-
-# The inputs step_paddle writes (SPEC: all but these four).
-STEP_PADDLE_OUTPUTS = tuple(
-    name for name in STEP_PADDLE_TENSORS
-    if name not in ("ori_seq_lens_encoder", "pre_ids", "step_idx", "next_tokens"))
+from paddle_step.tensor_table import STEP_PADDLE_OUTPUTS, STEP_PADDLE_TENSORS  # noqa: E402
+from paddle_step.testing.fake_decode_loop import FakeDecodeLoop  # noqa: E402
+from paddle_step.testing.ref_advance_step import ref_advance_step  # noqa: E402
+from paddle_step.testing.ref_step_paddle import ref_step_paddle  # noqa: E402
 
 FULL_BATCHES = (1, 8, 64, 256, 1024, 4096)
 QUICK_BATCHES = (8, 256)
@@ -107,10 +98,19 @@ def capture_state(batch: int, scenario: str, seed: int = 0, max_steps: int = 120
     (NumPy), the op's output on it, and what the call did."""
     pool = max(BLOCKS_PER_SEQ, batch) if scenario == "preempt" else batch * BLOCKS_PER_SEQ
     loop = FakeDecodeLoop(
-        batch, MAX_MODEL_LEN, BLOCK_SIZE, BLOCKS_PER_SEQ,
-        num_decoder_blocks=pool, num_encoder_blocks=3 * batch, seed=seed,
-        enc_dec_block_num=ENC_DEC_BLOCK_NUM, arrival_prob=0.3, stop_prob=0.02,
-        prompt_len_range=(1, 16), output_len_range=(32, 200), num_requests=100 * batch,
+        batch,
+        MAX_MODEL_LEN,
+        BLOCK_SIZE,
+        BLOCKS_PER_SEQ,
+        num_decoder_blocks=pool,
+        num_encoder_blocks=3 * batch,
+        seed=seed,
+        enc_dec_block_num=ENC_DEC_BLOCK_NUM,
+        arrival_prob=0.3,
+        stop_prob=0.02,
+        prompt_len_range=(1, 16),
+        output_len_range=(32, 200),
+        num_requests=100 * batch,
     )
     calm_step = 24
     for step in range(max_steps):
@@ -125,16 +125,23 @@ def capture_state(batch: int, scenario: str, seed: int = 0, max_steps: int = 120
         if scenario == "calm" and step == calm_step:
             break
     return {
-        "state": state, "after": after, "step": step + 1,
-        "preempted": preempted, "recovered": recovered,
+        "state": state,
+        "after": after,
+        "step": step + 1,
+        "preempted": preempted,
+        "recovered": recovered,
         "running": int((~state["stop_flags"].reshape(-1)).sum()),
         "pool": int(state["free_list_len"][0]),
-        "needy": int(sum(  # slots whose next column has no block
-            1 for b in range(batch)
-            if not state["stop_flags"].reshape(-1)[b]
-            and state["seq_lens_this_time"].reshape(-1)[b] != 0
-            and state["block_tables"][b, state["seq_lens_decoder"].reshape(-1)[b] // BLOCK_SIZE] == -1
-        )),
+        "needy": int(
+            sum(  # slots whose next column has no block
+                1
+                for b in range(batch)
+                if not state["stop_flags"].reshape(-1)[b]
+                and state["seq_lens_this_time"].reshape(-1)[b] != 0
+                and state["block_tables"][b, state["seq_lens_decoder"].reshape(-1)[b] // BLOCK_SIZE]
+                == -1
+            )
+        ),
     }
 
 
@@ -153,17 +160,26 @@ def advance_inputs(after: dict) -> dict:
     }
 
 
-ADVANCE_NAMES = ("input_tokens", "sampled_token_ids", "input_positions", "seq_lens",
-                 "slot_mapping", "block_tables")
+ADVANCE_NAMES = (
+    "input_tokens",
+    "sampled_token_ids",
+    "input_positions",
+    "seq_lens",
+    "slot_mapping",
+    "block_tables",
+)
 ADVANCE_WRITTEN = ("input_tokens", "input_positions", "seq_lens", "slot_mapping")
 
 
 # ---------------------------------------------------------------- implementations
 
 
+# The ops' argument lists stay packed (fmt: off), as in paddle_step.ops.
+# fmt: off
 def advance_step_vectorized(input_tokens, sampled_token_ids, input_positions, seq_lens,
                             slot_mapping, block_tables, num_seqs, num_queries, block_size,
                             active=None):
+    # fmt: on
     """advance_step in built-in Paddle ops (what one writes without the custom op)."""
     is_query = paddle.arange(num_seqs) < num_queries
     if active is not None:
@@ -175,9 +191,11 @@ def advance_step_vectorized(input_tokens, sampled_token_ids, input_positions, se
     column = position // block_size
     width = block_tables.shape[1]
     in_table = paddle.logical_and(position >= 0, column < width)
-    block = paddle.take_along_axis(
-        block_tables, paddle.clip(column, 0, width - 1).unsqueeze(1), axis=1
-    ).squeeze(1).astype("int64")
+    block = (
+        paddle.take_along_axis(block_tables, paddle.clip(column, 0, width - 1).unsqueeze(1), axis=1)
+        .squeeze(1)
+        .astype("int64")
+    )
     slot = block * block_size + position % block_size
     valid = paddle.logical_and(paddle.logical_and(in_table, block >= 0), is_query)
     zeros = paddle.zeros_like(position)
@@ -187,28 +205,32 @@ def advance_step_vectorized(input_tokens, sampled_token_ids, input_positions, se
     paddle.assign(paddle.where(valid, slot, paddle.full_like(slot, -1)), output=slot_mapping)
 
 
+# fmt: off
 def _make_to_static_advance(num_seqs, block_size):
     def run(input_tokens, sampled_token_ids, input_positions, seq_lens, slot_mapping,
             block_tables, active):
         paddle_step.advance_step(input_tokens, sampled_token_ids, input_positions, seq_lens,
                                  slot_mapping, block_tables, num_seqs, num_seqs, block_size,
                                  active=active)
+
     return paddle.jit.to_static(run, full_graph=True)
 
 
 def _make_to_static_step(block_size, enc_dec):
     def run(stop_flags, seq_lens_this_time, ori_seq_lens_encoder, seq_lens_encoder,
-            seq_lens_decoder, block_tables, encoder_block_lens, is_block_step,
-            step_block_list, step_lens, recover_block_list, recover_lens, need_block_list,
-            need_block_len, used_list_len, free_list, free_list_len, input_ids, pre_ids,
-            step_idx, next_tokens, first_token_ids):
+            seq_lens_decoder, block_tables, encoder_block_lens, is_block_step, step_block_list,
+            step_lens, recover_block_list, recover_lens, need_block_list, need_block_len,
+            used_list_len, free_list, free_list_len, input_ids, pre_ids, step_idx, next_tokens,
+            first_token_ids):
         paddle_step.step_paddle(
             stop_flags, seq_lens_this_time, ori_seq_lens_encoder, seq_lens_encoder,
-            seq_lens_decoder, block_tables, encoder_block_lens, is_block_step,
-            step_block_list, step_lens, recover_block_list, recover_lens, need_block_list,
-            need_block_len, used_list_len, free_list, free_list_len, input_ids, pre_ids,
-            step_idx, next_tokens, first_token_ids, block_size, enc_dec)
+            seq_lens_decoder, block_tables, encoder_block_lens, is_block_step, step_block_list,
+            step_lens, recover_block_list, recover_lens, need_block_list, need_block_len,
+            used_list_len, free_list, free_list_len, input_ids, pre_ids, step_idx, next_tokens,
+            first_token_ids, block_size, enc_dec)
+
     return paddle.jit.to_static(run, full_graph=True)
+# fmt: on
 
 
 # ---------------------------------------------------------------- timing
@@ -257,9 +279,13 @@ class Candidate:
         self.p90s.append(float(np.percentile(times, 90)) / 1e3)
 
     def result(self) -> dict:
-        return {"median_us": min(self.medians), "p90_us": min(self.p90s),
-                "calls_per_round": self.n, "rounds": len(self.medians),
-                "round_medians_us": [round(m, 3) for m in self.medians]}
+        return {
+            "median_us": min(self.medians),
+            "p90_us": min(self.p90s),
+            "calls_per_round": self.n,
+            "rounds": len(self.medians),
+            "round_medians_us": [round(m, 3) for m in self.medians],
+        }
 
 
 def run_candidates(candidates, rounds, budget_s, max_calls, min_calls) -> dict:
@@ -285,6 +311,7 @@ def _restorer(pairs):
     def restore():
         for saved, live in pairs:
             assign_out(saved, live)
+
     return restore
 
 
@@ -305,8 +332,11 @@ def summarize_floor(results: dict) -> dict:
     public = {k.split(":", 1)[1]: v for k, v in results.items() if k.startswith("floor:")}
     best = min(public, key=lambda k: public[k]["median_us"])
     raw = next(v for k, v in results.items() if k.startswith("raw_floor:"))
-    return {"floor": {**public[best], "op": best}, "raw_floor": {**raw, "op": "_C_ops.assign_out_"},
-            "candidates": {k: v["median_us"] for k, v in results.items()}}
+    return {
+        "floor": {**public[best], "op": best},
+        "raw_floor": {**raw, "op": "_C_ops.assign_out_"},
+        "candidates": {k: v["median_us"] for k, v in results.items()},
+    }
 
 
 # ---------------------------------------------------------------- per-op benches
@@ -317,8 +347,9 @@ def bench_step_paddle(captured, floor, args, with_static) -> dict:
     live = [paddle.to_tensor(state[name]) for name in STEP_PADDLE_TENSORS]
     saved = [paddle.to_tensor(state[name]) for name in STEP_PADDLE_TENSORS]
     written = set(STEP_PADDLE_OUTPUTS)
-    restore = _restorer([(s, t) for name, s, t in zip(STEP_PADDLE_TENSORS, saved, live)
-                         if name in written])
+    restore = _restorer(
+        [(s, t) for name, s, t in zip(STEP_PADDLE_TENSORS, saved, live) if name in written]
+    )
     bs, enc = BLOCK_SIZE, ENC_DEC_BLOCK_NUM
 
     # Correctness sanity check: op == reference on this state.
@@ -357,8 +388,9 @@ def bench_advance_step(captured, floor, args, with_static) -> dict:
     active = live["active"]
     bs = BLOCK_SIZE
 
-    expected = ref_advance_step(*[inputs[name] for name in ADVANCE_NAMES], batch, batch, bs,
-                                active=inputs["active"])
+    expected = ref_advance_step(
+        *[inputs[name] for name in ADVANCE_NAMES], batch, batch, bs, active=inputs["active"]
+    )
     for impl in ("op", "vectorized"):
         restore()
         if impl == "op":
@@ -379,10 +411,15 @@ def bench_advance_step(captured, floor, args, with_static) -> dict:
         Candidate("op", lambda: advance(*tensors, batch, batch, bs, active=active), restore),
         Candidate("binding", lambda: binding(*tensors, active, batch, batch, bs), restore),
         Candidate("generated", lambda: generated(*tensors, active, batch, batch, bs), restore),
-        Candidate("vectorized", lambda: advance_step_vectorized(
-            *tensors, batch, batch, bs, active=active), restore),
-        Candidate("reference", lambda: ref_advance_step(
-            *numpy_args, batch, batch, bs, active=numpy_active)),
+        Candidate(
+            "vectorized",
+            lambda: advance_step_vectorized(*tensors, batch, batch, bs, active=active),
+            restore,
+        ),
+        Candidate(
+            "reference",
+            lambda: ref_advance_step(*numpy_args, batch, batch, bs, active=numpy_active),
+        ),
     ]
     if with_static:
         static_fn = _make_to_static_advance(batch, bs)
@@ -394,8 +431,10 @@ def bench_advance_step(captured, floor, args, with_static) -> dict:
 
 def ratios(impls: dict, floor: dict) -> dict:
     op = impls["op"]["median_us"]
-    out = {"op_over_floor": op / floor["floor"]["median_us"],
-           "op_over_raw_floor": op / floor["raw_floor"]["median_us"]}
+    out = {
+        "op_over_floor": op / floor["floor"]["median_us"],
+        "op_over_raw_floor": op / floor["raw_floor"]["median_us"],
+    }
     for name in ("reference", "vectorized", "generated", "to_static"):
         if name in impls:
             out[f"{name}_over_op"] = impls[name]["median_us"] / op
@@ -411,16 +450,31 @@ def check_targets(results: list[dict]) -> list[dict]:
         per_scenario = {}
         for row in rows:
             op_us = row["impls"]["op"]["median_us"]
-            base_us = (row["floor"]["floor"]["median_us"] if baseline == "floor"
-                       else row["impls"][baseline]["median_us"])
+            base_us = (
+                row["floor"]["floor"]["median_us"]
+                if baseline == "floor"
+                else row["impls"][baseline]["median_us"]
+            )
             value = base_us / op_us if kind == "speedup" else op_us / base_us
             met = value >= bound if kind == "speedup" else value <= bound
             per_scenario[row["scenario"]] = {"value": round(value, 2), "met": bool(met)}
-        text = (f"{op} B={batch}: {baseline}/op >= {bound:g}x" if kind == "speedup"
-                else f"{op} B={batch}: op/{baseline} <= {bound:g}x")
-        checks.append({"target": text, "op": op, "B": batch, "baseline": baseline,
-                       "kind": kind, "bound": bound, "scenarios": per_scenario,
-                       "met": all(v["met"] for v in per_scenario.values())})
+        text = (
+            f"{op} B={batch}: {baseline}/op >= {bound:g}x"
+            if kind == "speedup"
+            else f"{op} B={batch}: op/{baseline} <= {bound:g}x"
+        )
+        checks.append(
+            {
+                "target": text,
+                "op": op,
+                "B": batch,
+                "baseline": baseline,
+                "kind": kind,
+                "bound": bound,
+                "scenarios": per_scenario,
+                "met": all(v["met"] for v in per_scenario.values()),
+            }
+        )
     return checks
 
 
@@ -432,16 +486,22 @@ def _fmt_us(value: float) -> str:
 
 
 def print_table(report: dict) -> None:
-    print(f"paddle {report['env']['paddle']} on {report['env']['cpu_count']} CPU core(s), "
-          f"{report['env']['platform']}; best-of-{report['config']['rounds']} medians "
-          f"(us per call, p90 in brackets); shared, noisy machine.")
+    print(
+        f"paddle {report['env']['paddle']} on {report['env']['cpu_count']} CPU core(s), "
+        f"{report['env']['platform']}; best-of-{report['config']['rounds']} medians "
+        f"(us per call, p90 in brackets); shared, noisy machine."
+    )
     for op in ("advance_step", "step_paddle"):
         print(f"\n== {op} ==")
         cols = ["op", "binding", "generated", "to_static", "vectorized", "reference"]
         cols = [c for c in cols if any(c in r["impls"] for r in report["results"] if r["op"] == op)]
-        header = f"{'scen':8s} {'B':>5s} " + " ".join(f"{c:>17s}" for c in cols) + \
-            f" {'floor':>7s}  {'op/floor':>8s} {'ref/op':>8s}" + \
-            ("  vec/op" if op == "advance_step" else "") + "  event"
+        header = (
+            f"{'scen':8s} {'B':>5s} "
+            + " ".join(f"{c:>17s}" for c in cols)
+            + f" {'floor':>7s}  {'op/floor':>8s} {'ref/op':>8s}"
+            + ("  vec/op" if op == "advance_step" else "")
+            + "  event"
+        )
         print(header)
         for row in report["results"]:
             if row["op"] != op:
@@ -454,21 +514,28 @@ def print_table(report: dict) -> None:
                 else:
                     cells.append(f"{'-':>17s}")
             r = row["ratios"]
-            line = (f"{row['scenario']:8s} {row['B']:>5d} " + " ".join(cells) +
-                    f" {row['floor']['floor']['median_us']:>7.2f}  {r['op_over_floor']:>7.2f}x"
-                    f" {r['reference_over_op']:>7.0f}x")
+            line = (
+                f"{row['scenario']:8s} {row['B']:>5d} "
+                + " ".join(cells)
+                + f" {row['floor']['floor']['median_us']:>7.2f}  {r['op_over_floor']:>7.2f}x"
+                f" {r['reference_over_op']:>7.0f}x"
+            )
             if op == "advance_step":
                 line += f" {r['vectorized_over_op']:>6.1f}x"
             cap = row["state"]
-            line += (f"  running={cap['running']} needy={cap['needy']} pool={cap['pool']} "
-                     f"preempted={cap['preempted']}")
+            line += (
+                f"  running={cap['running']} needy={cap['needy']} pool={cap['pool']} "
+                f"preempted={cap['preempted']}"
+            )
             print(line)
     print("\nfloor = cheapest public in-place builtin on a [B] int64 tensor:")
     for batch, floor in report["floors"].items():
-        print(f"  B={batch:>5}: {floor['floor']['op']} {floor['floor']['median_us']:.2f} us "
-              f"(raw _C_ops.assign_out_ {floor['raw_floor']['median_us']:.2f} us; all: " +
-              ", ".join(f"{k.split(':', 1)[1]}={v:.2f}" for k, v in floor["candidates"].items())
-              + ")")
+        print(
+            f"  B={batch:>5}: {floor['floor']['op']} {floor['floor']['median_us']:.2f} us "
+            f"(raw _C_ops.assign_out_ {floor['raw_floor']['median_us']:.2f} us; all: "
+            + ", ".join(f"{k.split(':', 1)[1]}={v:.2f}" for k, v in floor["candidates"].items())
+            + ")"
+        )
     print("\ntargets:")
     for check in report["targets"]:
         per = ", ".join(f"{s}={v['value']}x" for s, v in check["scenarios"].items())
@@ -477,28 +544,47 @@ def print_table(report: dict) -> None:
 
 def plot(report: dict, path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
-    styles = {"op": ("C0", "o"), "binding": ("C9", "."), "generated": ("C1", "s"),
-              "to_static": ("C4", "v"), "vectorized": ("C2", "^"),
-              "reference": ("C3", "x")}
+    styles = {
+        "op": ("C0", "o"),
+        "binding": ("C9", "."),
+        "generated": ("C1", "s"),
+        "to_static": ("C4", "v"),
+        "vectorized": ("C2", "^"),
+        "reference": ("C3", "x"),
+    }
     for ax, op in zip(axes, ("advance_step", "step_paddle")):
         for scenario, dash in (("preempt", "-"), ("calm", ":")):
-            rows = sorted((r for r in report["results"]
-                           if r["op"] == op and r["scenario"] == scenario), key=lambda r: r["B"])
+            rows = sorted(
+                (r for r in report["results"] if r["op"] == op and r["scenario"] == scenario),
+                key=lambda r: r["B"],
+            )
             if not rows:
                 continue
             batches = [r["B"] for r in rows]
             for impl, (color, marker) in styles.items():
                 if impl == "binding" or not all(impl in r["impls"] for r in rows):
                     continue
-                ax.plot(batches, [r["impls"][impl]["median_us"] for r in rows], dash,
-                        color=color, marker=marker, label=f"{impl} ({scenario})")
+                ax.plot(
+                    batches,
+                    [r["impls"][impl]["median_us"] for r in rows],
+                    dash,
+                    color=color,
+                    marker=marker,
+                    label=f"{impl} ({scenario})",
+                )
         floors = sorted(report["floors"].items(), key=lambda kv: int(kv[0]))
-        ax.plot([int(b) for b, _ in floors], [f["floor"]["median_us"] for _, f in floors], "--",
-                color="k", label="floor: 1 built-in in-place op")
+        ax.plot(
+            [int(b) for b, _ in floors],
+            [f["floor"]["median_us"] for _, f in floors],
+            "--",
+            color="k",
+            label="floor: 1 built-in in-place op",
+        )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("batch slots B")
@@ -506,9 +592,12 @@ def plot(report: dict, path: str) -> None:
         ax.set_title(f"{op} (CPU)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
-    fig.suptitle(f"paddle_step op latency vs B, paddle {report['env']['paddle']}, "
-                 f"{report['env']['cpu_count']} cores (shared machine, best-of-"
-                 f"{report['config']['rounds']} medians)", fontsize=10)
+    fig.suptitle(
+        f"paddle_step op latency vs B, paddle {report['env']['paddle']}, "
+        f"{report['env']['cpu_count']} cores (shared machine, best-of-"
+        f"{report['config']['rounds']} medians)",
+        fontsize=10,
+    )
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -520,8 +609,11 @@ def plot(report: dict, path: str) -> None:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help=f"B in {QUICK_BATCHES}, preempt scenario only, few calls")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"B in {QUICK_BATCHES}, preempt scenario only, few calls",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="PATH", help="write a log-log PNG of latency vs B")
     parser.add_argument("--batches", help="comma-separated B values (default: all)")
@@ -529,10 +621,20 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=int, help="timing rounds (best-of)")
     parser.add_argument("--no-static", action="store_true", help="skip the to_static column")
     args = parser.parse_args(argv)
-    args.batches = (tuple(int(b) for b in args.batches.split(",")) if args.batches
-                    else QUICK_BATCHES if args.quick else FULL_BATCHES)
-    args.scenarios = (tuple(args.scenarios.split(",")) if args.scenarios
-                      else ("preempt",) if args.quick else SCENARIOS)
+    args.batches = (
+        tuple(int(b) for b in args.batches.split(","))
+        if args.batches
+        else QUICK_BATCHES
+        if args.quick
+        else FULL_BATCHES
+    )
+    args.scenarios = (
+        tuple(args.scenarios.split(","))
+        if args.scenarios
+        else ("preempt",)
+        if args.quick
+        else SCENARIOS
+    )
     if args.quick:
         args.rounds = args.rounds or 2
         args.budget, args.max_calls, args.min_calls = 0.04, 300, 3
@@ -550,34 +652,61 @@ def main(argv=None) -> dict:
     started = time.time()
     results, floors = [], {}
     for batch in args.batches:
-        floors[batch] = summarize_floor(run_candidates(
-            floor_candidates(batch), args.rounds, args.budget, args.max_calls, args.min_calls))
+        floors[batch] = summarize_floor(
+            run_candidates(
+                floor_candidates(batch), args.rounds, args.budget, args.max_calls, args.min_calls
+            )
+        )
         for scenario in args.scenarios:
             captured = capture_state(batch, scenario)
-            info = {k: captured[k] for k in ("step", "preempted", "recovered", "running",
-                                             "pool", "needy")}
-            for op, bench in (("step_paddle", bench_step_paddle),
-                              ("advance_step", bench_advance_step)):
+            info = {
+                k: captured[k]
+                for k in ("step", "preempted", "recovered", "running", "pool", "needy")
+            }
+            for op, bench in (
+                ("step_paddle", bench_step_paddle),
+                ("advance_step", bench_advance_step),
+            ):
                 impls = bench(captured, floors[batch], args, args.with_static)
-                results.append({"op": op, "scenario": scenario, "B": batch, "state": info,
-                                "impls": impls, "floor": floors[batch],
-                                "ratios": ratios(impls, floors[batch])})
+                results.append(
+                    {
+                        "op": op,
+                        "scenario": scenario,
+                        "B": batch,
+                        "state": info,
+                        "impls": impls,
+                        "floor": floors[batch],
+                        "ratios": ratios(impls, floors[batch]),
+                    }
+                )
             if not args.json:
-                print(f"  B={batch} {scenario} done ({time.time() - started:.0f} s)",
-                      file=sys.stderr)
+                print(
+                    f"  B={batch} {scenario} done ({time.time() - started:.0f} s)", file=sys.stderr
+                )
     report = {
         "benchmark": "bench_ops",
-        "env": {"paddle": paddle.__version__, "numpy": np.__version__,
-                "python": platform.python_version(), "platform": platform.platform(),
-                "cpu_count": os.cpu_count(), "device": "cpu",
-                "note": "shared machine, other jobs running: best-of-rounds medians"},
-        "config": {"quick": args.quick, "batches": list(args.batches),
-                   "scenarios": list(args.scenarios), "rounds": args.rounds,
-                   "round_budget_s": args.budget, "max_calls_per_round": args.max_calls,
-                   "max_model_len": MAX_MODEL_LEN, "block_size": BLOCK_SIZE,
-                   "blocks_per_seq": BLOCKS_PER_SEQ,
-                   "timed": "one call per sample; written tensors restored before each "
-                            "call, outside the timer; gc disabled"},
+        "env": {
+            "paddle": paddle.__version__,
+            "numpy": np.__version__,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "device": "cpu",
+            "note": "shared machine, other jobs running: best-of-rounds medians",
+        },
+        "config": {
+            "quick": args.quick,
+            "batches": list(args.batches),
+            "scenarios": list(args.scenarios),
+            "rounds": args.rounds,
+            "round_budget_s": args.budget,
+            "max_calls_per_round": args.max_calls,
+            "max_model_len": MAX_MODEL_LEN,
+            "block_size": BLOCK_SIZE,
+            "blocks_per_seq": BLOCKS_PER_SEQ,
+            "timed": "one call per sample; written tensors restored before each "
+            "call, outside the timer; gc disabled",
+        },
         "floors": {str(b): f for b, f in floors.items()},
         "results": results,
         "targets": check_targets(results),

@@ -18,15 +18,23 @@ import json
 import math
 import string
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
-from tqdm import tqdm
 
-from paddle_step.engine import Engine, GenerationResult, GenerationStats
+from paddle_step.check_state import StateError
+from paddle_step.engine import Engine
 from paddle_step.model import ModelConfig, TinyLlama
 from paddle_step.naive import generate_naive
+from paddle_step.sequence import GenerationResult, GenerationStats
 from paddle_step.state import EngineConfig
 from paddle_step.tokenizer import ByteTokenizer
+
+try:  # optional: only the progress bar needs it
+    from tqdm import tqdm
+except ImportError:
+    tqdm = None
 
 BUILT_IN_PROMPTS = [
     "Hello, my name is",
@@ -40,29 +48,54 @@ BUILT_IN_PROMPTS = [
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompt", action="append", default=[],
-                        help="a prompt (repeatable); default: a few built-in ones")
-    parser.add_argument("--num-requests", type=int, default=0,
-                        help="add N random prompts of varied length (seeded by --seed)")
+    parser.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        help="a prompt (repeatable); default: a few built-in ones",
+    )
+    parser.add_argument(
+        "--num-requests",
+        type=int,
+        default=0,
+        help="add N random prompts of varied length (seeded by --seed)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--max-batch", type=int, default=4, help="batch slots")
     parser.add_argument("--block-size", type=int, default=8, help="tokens per KV block")
-    parser.add_argument("--kv-blocks", type=int, default=None,
-                        help="total KV blocks (default: enough that no request is ever "
-                             "preempted; fewer forces preemption)")
-    parser.add_argument("--decoder-pool-ratio", type=float, default=0.5,
-                        help="share of the KV blocks that form the decoder pool; the rest "
-                             "hold prompts (lower: more requests admitted, more preemption)")
+    parser.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=None,
+        help="total KV blocks (default: enough that no request is ever "
+        "preempted; fewer forces preemption)",
+    )
+    parser.add_argument(
+        "--decoder-pool-ratio",
+        type=float,
+        default=0.5,
+        help="share of the KV blocks that form the decoder pool; the rest "
+        "hold prompts (lower: more requests admitted, more preemption)",
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0, help="model weights, prompts, sampling")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    parser.add_argument("--naive", action="store_true",
-                        help="decode without a cache by full recompute (the reference)")
-    parser.add_argument("--check-state", action="store_true",
-                        help="debug: validate the engine state after every step")
-    parser.add_argument("--json", action="store_true",
-                        help="print exactly one JSON object (requests and stats) on stdout")
+    parser.add_argument(
+        "--naive",
+        action="store_true",
+        help="decode without a cache by full recompute (the reference)",
+    )
+    parser.add_argument(
+        "--check-state",
+        action="store_true",
+        help="debug: validate the engine state after every step",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print exactly one JSON object (requests and stats) on stdout",
+    )
     args = parser.parse_args(argv)
     if not 0 < args.decoder_pool_ratio < 1:
         parser.error(f"--decoder-pool-ratio: expected in (0, 1), got {args.decoder_pool_ratio}")
@@ -93,9 +126,27 @@ def engine_config(args: argparse.Namespace, prompts: list[list[int]]) -> EngineC
         kv_blocks = math.ceil(per_region / min(ratio, 1 - ratio))
         while min(int(kv_blocks * ratio), kv_blocks - int(kv_blocks * ratio)) < per_region:
             kv_blocks += 1  # the pool size is rounded down
-    return EngineConfig(max_batch=args.max_batch, max_model_len=max_model_len,
-                        block_size=args.block_size, num_kv_blocks=kv_blocks,
-                        decoder_pool_ratio=args.decoder_pool_ratio)
+    return EngineConfig(
+        max_batch=args.max_batch,
+        max_model_len=max_model_len,
+        block_size=args.block_size,
+        num_kv_blocks=kv_blocks,
+        decoder_pool_ratio=args.decoder_pool_ratio,
+    )
+
+
+@contextmanager
+def progress_bar(total: int) -> Iterator[Callable[[int], object]]:
+    """Yields ``update(finished_count)`` of a progress bar on stderr; without tqdm, says
+    so in one line and yields a no-op."""
+    if tqdm is None:
+        print(
+            "generate.py: no progress bar (optional package 'tqdm' not installed)", file=sys.stderr
+        )
+        yield lambda count: None
+        return
+    with tqdm(total=total, unit="req", file=sys.stderr, desc="generating") as bar:
+        yield bar.update
 
 
 def run(args: argparse.Namespace) -> tuple[list[GenerationResult], GenerationStats]:
@@ -106,56 +157,79 @@ def run(args: argparse.Namespace) -> tuple[list[GenerationResult], GenerationSta
     model = TinyLlama(ModelConfig(dtype=args.dtype, seed=args.seed))
     try:
         config = engine_config(args, prompts)
-        if not args.naive:
-            engine = Engine(model, config, tokenizer=tokenizer, seed=args.seed,
-                            check_state=args.check_state)
-            request_ids = [
-                engine.add_request(prompt, args.max_new_tokens, temperature=args.temperature,
-                                   top_p=args.top_p)
-                for prompt in prompts
-            ]
-    except ValueError as error:  # a budget or request the engine cannot run
+        engine = (
+            None
+            if args.naive
+            else Engine(
+                model, config, tokenizer=tokenizer, seed=args.seed, check_state=args.check_state
+            )
+        )
+    except ValueError as error:  # a budget the engine cannot run
         raise SystemExit(f"generate.py: {error}") from None
 
-    with tqdm(total=len(prompts), unit="req", file=sys.stderr, desc="generating") as bar:
-        if args.naive:
+    with progress_bar(len(prompts)) as update:
+        if engine is None:
             return generate_naive(
-                model, prompts, args.max_new_tokens, eos_token_id=tokenizer.eos_id,
-                temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                max_model_len=config.max_model_len, on_finished=bar.update,
+                model,
+                prompts,
+                args.max_new_tokens,
+                eos_token_id=tokenizer.eos_id,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                seed=args.seed,
+                max_model_len=config.max_model_len,
+                on_finished=update,
             )
-        finished: dict[int, GenerationResult] = {}
-        while engine.has_unfinished():
-            done = engine.step()
-            finished.update((result.request_id, result) for result in done)
-            bar.update(len(done))
-        return [finished[request_id] for request_id in request_ids], engine.stats
+        try:
+            results = engine.generate(
+                prompts,
+                args.max_new_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                on_finished=update,
+            )
+        except StateError:  # --check-state found a broken state: a bug, keep the trace
+            raise
+        except ValueError as error:  # a request the engine cannot run (before any step)
+            raise SystemExit(f"generate.py: {error}") from None
+        return results, engine.stats
 
 
-def print_report(args: argparse.Namespace, results: list[GenerationResult],
-                 stats: GenerationStats) -> None:
+def print_report(
+    args: argparse.Namespace, results: list[GenerationResult], stats: GenerationStats
+) -> None:
     tokenizer = ByteTokenizer()
     mode = "naive full recompute (no KV cache)" if args.naive else "paged KV cache engine"
     print(f"TinyLlama, random weights (seed {args.seed}), {args.dtype}, {mode}.")
     print("The model is untrained: the continuations are gibberish by design.\n")
     for index, result in enumerate(results):
         print(f"[{index}] prompt: {tokenizer.decode(result.prompt_ids)!r}")
-        print(f"    -> {tokenizer.decode(result.token_ids)!r}"
-              f"  ({len(result.token_ids)} tokens, {result.finish_reason})")
-    print(f"\nsteps {stats.steps}, generated tokens {stats.generated_tokens}, "
-          f"{stats.tokens_per_s:.1f} tokens/s ({stats.elapsed:.2f} s)")
-    print(f"preemptions {stats.preemptions}, recoveries {stats.recoveries}, "
-          f"peak blocks in use {stats.peak_blocks_in_use}")
+        print(
+            f"    -> {tokenizer.decode(result.token_ids)!r}"
+            f"  ({len(result.token_ids)} tokens, {result.finish_reason})"
+        )
+    print(
+        f"\nsteps {stats.steps}, generated tokens {stats.generated_tokens}, "
+        f"{stats.tokens_per_s:.1f} tokens/s ({stats.elapsed:.2f} s)"
+    )
+    print(
+        f"preemptions {stats.preemptions}, recoveries {stats.recoveries}, "
+        f"peak blocks in use {stats.peak_blocks_in_use}"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     results, stats = run(args)
     if args.json:
-        print(json.dumps({
-            "requests": [result.to_dict() for result in results],
-            "stats": stats.to_dict(),
-        }))
+        print(
+            json.dumps(
+                {
+                    "requests": [result.to_dict() for result in results],
+                    "stats": stats.to_dict(),
+                }
+            )
+        )
     else:
         print_report(args, results, stats)
 

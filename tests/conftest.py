@@ -22,8 +22,10 @@ PADDLE_MAJOR = int(paddle.__version__.split(".")[0])
 def pytest_collection_modifyitems(config, items):
     if PADDLE_MAJOR >= 3:
         return
-    skip = pytest.mark.skip(reason=f"needs paddle 3: paddle {paddle.__version__}'s to_static "
-                                   "builds a backward pass for custom ops and fails")
+    skip = pytest.mark.skip(
+        reason=f"needs paddle 3: paddle {paddle.__version__}'s to_static "
+        "builds a backward pass for custom ops and fails"
+    )
     for item in items:
         if "needs_paddle3" in item.keywords:
             item.add_marker(skip)
@@ -39,8 +41,12 @@ def place(request):
 
 
 def pytest_addoption(parser):
-    parser.addoption("--soak-steps", type=int, default=1500,
-                     help="engine steps of the soak test (default keeps it near a minute)")
+    parser.addoption(
+        "--soak-steps",
+        type=int,
+        default=1500,
+        help="engine steps of the soak test (default keeps it near a minute)",
+    )
 
 
 @pytest.fixture

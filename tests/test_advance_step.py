@@ -5,103 +5,31 @@ import paddle
 import pytest
 
 import paddle_step
-from ref_advance_step import ref_advance_step
-
-OUTPUT_NAMES = ("input_tokens", "input_positions", "seq_lens", "slot_mapping")
-
-
-def make_case(num_seqs, num_queries, block_size, seq_lens_dtype, tables_dtype,
-              with_active, rng):
-    """A batch with mapped, unmapped (-1) and past-the-table positions."""
-    blocks_per_seq = 5
-    max_position = blocks_per_seq * block_size + 3  # some positions past the table
-    seq_lens = rng.integers(0, max_position, size=num_seqs).astype(seq_lens_dtype)
-    block_tables = rng.integers(0, 50_000, size=(num_seqs, blocks_per_seq))
-    block_tables[rng.random(block_tables.shape) < 0.1] = -1
-    case = {
-        "input_tokens": rng.integers(1, 1000, size=num_seqs).astype(np.int64),
-        "sampled_token_ids": rng.integers(1, 50_000, size=(num_queries, 1)).astype(np.int64),
-        "input_positions": rng.integers(0, 1000, size=num_seqs).astype(np.int64),
-        "seq_lens": seq_lens,
-        "slot_mapping": rng.integers(0, 1000, size=num_seqs).astype(np.int64),
-        "block_tables": block_tables.astype(tables_dtype),
-    }
-    active = rng.random(num_seqs) < 0.8 if with_active else None
-    return case, active
+from paddle_step.testing import advance_step_cases as cases
+from paddle_step.testing.advance_step_cases import ADVANCE_STEP_OUTPUTS, assert_same, make_case
+from paddle_step.testing.paddle_ops import run_advance_step as run_op
+from paddle_step.testing.ref_advance_step import ref_advance_step
 
 
-def run_op(case, active, num_seqs, num_queries, block_size):
-    tensors = {name: paddle.to_tensor(value) for name, value in case.items()}
-    paddle_step.advance_step(
-        tensors["input_tokens"], tensors["sampled_token_ids"],
-        tensors["input_positions"], tensors["seq_lens"], tensors["slot_mapping"],
-        tensors["block_tables"], num_seqs, num_queries, block_size,
-        active=None if active is None else paddle.to_tensor(active))
-    return [tensors[name].numpy() for name in OUTPUT_NAMES]
-
-
-def assert_same(got, expected):
-    for name, got_array, expected_array in zip(OUTPUT_NAMES, got, expected):
-        assert got_array.dtype == expected_array.dtype, name
-        np.testing.assert_array_equal(got_array, expected_array, err_msg=name)
-
-
-@pytest.mark.parametrize("num_seqs", [1, 7, 256, 4097])
-@pytest.mark.parametrize("block_size", [1, 16, 64])
-@pytest.mark.parametrize("seq_lens_dtype", [np.int32, np.int64])
-@pytest.mark.parametrize("tables_dtype", [np.int32, np.int64])
-@pytest.mark.parametrize("with_active", [False, True])
-def test_matches_reference(place, num_seqs, block_size, seq_lens_dtype,
-                           tables_dtype, with_active):
-    rng = np.random.default_rng(num_seqs * 1000 + block_size)
-    for num_queries in sorted({num_seqs, max(1, num_seqs // 2), 1}):
-        case, active = make_case(num_seqs, num_queries, block_size, seq_lens_dtype,
-                                 tables_dtype, with_active, rng)
-        expected = ref_advance_step(**case, num_seqs=num_seqs, num_queries=num_queries,
-                                    block_size=block_size, active=active)
-        assert_same(run_op(case, active, num_seqs, num_queries, block_size), expected)
+@pytest.mark.parametrize("num_seqs", cases.MATRIX["num_seqs"])
+@pytest.mark.parametrize("block_size", cases.MATRIX["block_size"])
+@pytest.mark.parametrize("seq_lens_dtype", cases.MATRIX["seq_lens_dtype"])
+@pytest.mark.parametrize("tables_dtype", cases.MATRIX["tables_dtype"])
+@pytest.mark.parametrize("with_active", cases.MATRIX["with_active"])
+def test_matches_reference(place, num_seqs, block_size, seq_lens_dtype, tables_dtype, with_active):
+    cases.matches_reference(run_op, num_seqs, block_size, seq_lens_dtype, tables_dtype, with_active)
 
 
 def test_hand_worked_rows(place):
-    # Row 0: position 0 -> block 7, slot 7*4+0. Row 1: position 6 -> column 1,
-    # block 9, slot 9*4+2. Row 2: position 8 is past a 2-column table -> -1.
-    # Row 3: its column holds -1 -> -1. Row 4: padding (num_queries = 4).
-    case = {
-        "input_tokens": np.full(5, 11, np.int64),
-        "sampled_token_ids": np.array([[101], [102], [103], [104]], np.int64),
-        "input_positions": np.full(5, 11, np.int64),
-        "seq_lens": np.array([0, 6, 8, 1, 3], np.int32),
-        "slot_mapping": np.full(5, 11, np.int64),
-        "block_tables": np.array([[7, 8], [3, 9], [1, 2], [-1, 5], [4, 4]], np.int32),
-    }
-    tokens, positions, seq_lens, slots = run_op(case, None, 5, 4, 4)
-    np.testing.assert_array_equal(tokens, [101, 102, 103, 104, 0])
-    np.testing.assert_array_equal(positions, [0, 6, 8, 1, 0])
-    np.testing.assert_array_equal(seq_lens, [1, 7, 9, 2, 3])
-    np.testing.assert_array_equal(slots, [28, 38, -1, -1, -1])
+    cases.hand_worked_rows(run_op)
 
 
 def test_slot_is_computed_in_64_bits(place):
-    # block_id * block_size overflows int32 here.
-    case = {
-        "input_tokens": np.zeros(1, np.int64),
-        "sampled_token_ids": np.ones((1, 1), np.int64),
-        "input_positions": np.zeros(1, np.int64),
-        "seq_lens": np.array([70], np.int64),
-        "slot_mapping": np.zeros(1, np.int64),
-        "block_tables": np.array([[2_000_000_000, 2_000_000_001]], np.int32),
-    }
-    slots = run_op(case, None, 1, 1, 64)[3]
-    assert slots[0] == 2_000_000_001 * 64 + 6
+    cases.slot_is_computed_in_64_bits(run_op)
 
 
 def test_inactive_rows_keep_their_seq_len(place):
-    case, _ = make_case(6, 6, 16, np.int32, np.int32, False, np.random.default_rng(0))
-    active = np.array([True, False, True, False, False, True])
-    got = run_op(case, active, 6, 6, 16)
-    np.testing.assert_array_equal(got[2][~active], case["seq_lens"][~active])
-    np.testing.assert_array_equal(got[0][~active], 0)
-    np.testing.assert_array_equal(got[3][~active], -1)
+    cases.inactive_rows_keep_their_seq_len(run_op)
 
 
 @pytest.mark.needs_paddle3
@@ -112,31 +40,32 @@ def test_in_place_inside_to_static():
 
     @paddle.jit.to_static(full_graph=True)
     def advance(input_tokens, sampled, positions, seq_lens, slots, tables):
-        paddle_step.advance_step(input_tokens, sampled, positions, seq_lens, slots,
-                                 tables, 9, 5, 16)
+        paddle_step.advance_step(
+            input_tokens, sampled, positions, seq_lens, slots, tables, 9, 5, 16
+        )
         return seq_lens
 
-    returned = advance(tensors["input_tokens"], tensors["sampled_token_ids"],
-                       tensors["input_positions"], tensors["seq_lens"],
-                       tensors["slot_mapping"], tensors["block_tables"])
-    assert_same([tensors[name].numpy() for name in OUTPUT_NAMES], expected)
+    returned = advance(*tensors.values())  # make_case's keys are in the op's order
+    assert_same([tensors[name].numpy() for name in ADVANCE_STEP_OUTPUTS], expected)
     np.testing.assert_array_equal(returned.numpy(), expected[2])
 
 
 def test_library_exposes_every_op():
     import paddle_step_ops
 
-    for name in ("advance_step", "step_paddle",
-                 "static_op_advance_step", "static_op_step_paddle"):
+    for name in ("advance_step", "step_paddle", "static_op_advance_step", "static_op_step_paddle"):
         assert callable(getattr(paddle_step_ops, name)), name
 
 
 def valid_tensors(num_seqs=4, num_queries=3):
-    case, _ = make_case(num_seqs, num_queries, 16, np.int32, np.int32, False,
-                        np.random.default_rng(2))
+    case, _ = make_case(
+        num_seqs, num_queries, 16, np.int32, np.int32, False, np.random.default_rng(2)
+    )
     return {name: paddle.to_tensor(value) for name, value in case.items()}
 
 
+# A table: one entry a line or two, not reflowed.
+# fmt: off
 BAD_INPUTS = [
     # (what to change, keyword overrides, expected message fragment)
     ("input_tokens dtype", {"input_tokens": paddle.zeros([4], "int32")},
@@ -168,10 +97,12 @@ BAD_INPUTS = [
     ("active shape", {"active": paddle.zeros([3], "bool")},
      "argument 'active': expected shape [4], got shape [3]"),
 ]
+# fmt: on
 
 
-@pytest.mark.parametrize("label,overrides,message", BAD_INPUTS,
-                         ids=[case[0] for case in BAD_INPUTS])
+@pytest.mark.parametrize(
+    "label,overrides,message", BAD_INPUTS, ids=[case[0] for case in BAD_INPUTS]
+)
 def test_bad_input_raises_before_writing(label, overrides, message):
     tensors = valid_tensors()
     before = {name: tensor.numpy().copy() for name, tensor in tensors.items()}
@@ -190,11 +121,17 @@ def test_bad_input_raises_in_static_mode():
 
     @paddle.jit.to_static(full_graph=True)
     def advance(input_tokens, sampled, positions, seq_lens, slots, tables):
-        paddle_step.advance_step(input_tokens, sampled, positions, seq_lens, slots,
-                                 tables, 4, 3, 16)
+        paddle_step.advance_step(
+            input_tokens, sampled, positions, seq_lens, slots, tables, 4, 3, 16
+        )
         return seq_lens
 
     with pytest.raises(Exception, match="argument 'seq_lens': expected dtype int32 or int64"):
-        advance(tensors["input_tokens"], tensors["sampled_token_ids"],
-                tensors["input_positions"], paddle.zeros([4], "float32"),
-                tensors["slot_mapping"], tensors["block_tables"])
+        advance(
+            tensors["input_tokens"],
+            tensors["sampled_token_ids"],
+            tensors["input_positions"],
+            paddle.zeros([4], "float32"),
+            tensors["slot_mapping"],
+            tensors["block_tables"],
+        )

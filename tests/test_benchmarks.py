@@ -17,7 +17,11 @@ def run_json(script: str, *extra: str) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(paths)
     completed = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--json", *extra],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     lines = [line for line in completed.stdout.splitlines() if line.strip()]

@@ -5,9 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fake_decode_loop import FakeDecodeLoop, add_preempted, add_running, make_state
 from paddle_step.check_state import StateError, check_state
-from ref_step_paddle import STEP_PADDLE_TENSORS, ref_step_paddle
+from paddle_step.tensor_table import STEP_PADDLE_TENSORS
+from paddle_step.testing.fake_decode_loop import (
+    FakeDecodeLoop,
+    add_preempted,
+    add_running,
+    make_state,
+)
+from paddle_step.testing.ref_step_paddle import ref_step_paddle
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16
@@ -20,10 +26,16 @@ def valid_state(stopped_shape: str = "[B]"):
     Encoder blocks 0..3; decoder blocks 10..15: 10 (slot 0) and 11, 12 (slot 3)
     owned, 13, 14, 15 in the pool.
     """
-    state = make_state(4, 6, 24, free_list=[13, 14, 15], free_list_size=6, stopped_shape=stopped_shape)
-    add_running(state, 0, encoder_blocks=[0, 1], decoder_blocks=[10], seq_lens_decoder=9, prompt_len=5)
+    state = make_state(
+        4, 6, 24, free_list=[13, 14, 15], free_list_size=6, stopped_shape=stopped_shape
+    )
+    add_running(
+        state, 0, encoder_blocks=[0, 1], decoder_blocks=[10], seq_lens_decoder=9, prompt_len=5
+    )
     add_preempted(state, 1, encoder_blocks=[2], used_list_len=2, prompt_len=3, step_idx=4)
-    add_running(state, 3, encoder_blocks=[3], decoder_blocks=[11, 12], seq_lens_decoder=11, prompt_len=2)
+    add_running(
+        state, 3, encoder_blocks=[3], decoder_blocks=[11, 12], seq_lens_decoder=11, prompt_len=2
+    )
     return state
 
 
@@ -41,7 +53,9 @@ def violations(state, **kwargs) -> str:
 @pytest.mark.parametrize("stopped_shape", ["[B]", "[B,1]"])
 def test_valid_state_passes(stopped_shape):
     state = valid_state(stopped_shape)
-    assert check_state(state, BLOCK_SIZE, num_blocks=NUM_BLOCKS, decoder_blocks=DECODER_BLOCKS) is None
+    assert (
+        check_state(state, BLOCK_SIZE, num_blocks=NUM_BLOCKS, decoder_blocks=DECODER_BLOCKS) is None
+    )
     assert check_state(state, BLOCK_SIZE, after_step=False) is None
 
 
@@ -52,13 +66,28 @@ def test_paddle_tensors_are_accepted():
 
 
 def test_states_of_a_serving_loop_pass_before_and_after_each_step():
-    loop = FakeDecodeLoop(7, 16, 2, 8, 3, 40, seed=0, prompt_len_range=(10, 14),
-                          output_len_range=(1, 6), num_requests=20)
+    loop = FakeDecodeLoop(
+        7,
+        16,
+        2,
+        8,
+        3,
+        40,
+        seed=0,
+        prompt_len_range=(10, 14),
+        output_len_range=(1, 6),
+        num_requests=20,
+    )
     calls = []
 
     def check(state, after_step):
-        check_state(state, 2, after_step=after_step, num_blocks=loop.num_blocks,
-                    decoder_blocks=loop.decoder_block_ids)
+        check_state(
+            state,
+            2,
+            after_step=after_step,
+            num_blocks=loop.num_blocks,
+            decoder_blocks=loop.decoder_block_ids,
+        )
         calls.append(after_step)
 
     loop.run(lambda state: ref_step_paddle(state, 2), 500, check)
@@ -110,13 +139,17 @@ def test_duplicate_in_pool():
 def test_entries_past_the_pool_are_not_checked():
     state = valid_state()
     state["free_list"][3:] = [10, 10, 0]  # stale entries past free_list_len
-    assert check_state(state, BLOCK_SIZE, num_blocks=NUM_BLOCKS, decoder_blocks=DECODER_BLOCKS) is None
+    assert (
+        check_state(state, BLOCK_SIZE, num_blocks=NUM_BLOCKS, decoder_blocks=DECODER_BLOCKS) is None
+    )
 
 
 def test_decoder_block_lost():
     state = valid_state()
     state["free_list_len"][0] = 2
-    assert "decoder block 15 is lost: neither in the pool nor in any block table" in violations(state)
+    assert "decoder block 15 is lost: neither in the pool nor in any block table" in violations(
+        state
+    )
 
 
 def test_pool_entry_that_is_not_a_decoder_block():
@@ -131,7 +164,9 @@ def test_block_id_out_of_range_in_table(bad_id):
     state = valid_state()
     state["block_tables"][0, 1] = bad_id
     message = violations(state)
-    assert f"slot 0: block_tables[0, 1] is {bad_id}, expected -1 or a block id in [0, 16)" in message
+    assert (
+        f"slot 0: block_tables[0, 1] is {bad_id}, expected -1 or a block id in [0, 16)" in message
+    )
 
 
 def test_block_id_out_of_range_in_pool():
@@ -150,13 +185,20 @@ def test_negative_id_is_caught_without_num_blocks():
 # ---- Lengths and lists. ------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("name", "value", "expected"), [
-    ("free_list_len", 7, "free_list_len is 7, expected 0 <= free_list_len <= 6 (free_list size)"),
-    ("free_list_len", -1, "free_list_len is -1, expected 0 <= free_list_len <= 6"),
-    ("step_lens", 5, "step_lens is 5, expected 0 <= step_lens <= 4 (B)"),
-    ("need_block_len", 2, "need_block_len is 2, expected 0 after step_paddle"),
-    ("recover_lens", 1, "recover_lens is 1, expected 0 after step_paddle"),
-])
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [
+        (
+            "free_list_len",
+            7,
+            "free_list_len is 7, expected 0 <= free_list_len <= 6 (free_list size)",
+        ),
+        ("free_list_len", -1, "free_list_len is -1, expected 0 <= free_list_len <= 6"),
+        ("step_lens", 5, "step_lens is 5, expected 0 <= step_lens <= 4 (B)"),
+        ("need_block_len", 2, "need_block_len is 2, expected 0 after step_paddle"),
+        ("recover_lens", 1, "recover_lens is 1, expected 0 after step_paddle"),
+    ],
+)
 def test_bad_length(name, value, expected):
     state = valid_state()
     state[name][0] = value
@@ -216,7 +258,9 @@ def test_running_slot_without_its_next_block():
     state = valid_state()
     state["seq_lens_decoder"][0] = 12  # column 3: past its blocks
     message = violations(state)
-    assert "slot 0 is running but has no block in column(s) [3] for its next write position" in message
+    assert (
+        "slot 0 is running but has no block in column(s) [3] for its next write position" in message
+    )
     assert check_state(state, BLOCK_SIZE, after_step=False) is None  # step_paddle's job to fix
 
 
@@ -237,7 +281,10 @@ def test_recovered_slot_without_blocks_for_its_prefill():
     state["step_lens"][0] = 0
     state["step_block_list"][0] = -1
     message = violations(state)
-    assert "slot 1 is running but has no block in column(s) [1, 2, 3] for its tokens at positions 0..13" in message
+    assert (
+        "slot 1 is running but has no block in column(s) [1, 2, 3] for its tokens at "
+        "positions 0..13" in message
+    )
 
 
 def test_stopped_slot_holding_decoder_blocks_after_step():
@@ -259,7 +306,9 @@ def test_stopped_slot_keeps_encoder_blocks_until_the_host_releases_them():
     state["encoder_block_lens"][3] = 0
     state["free_list"][3:5] = [11, 12]
     state["free_list_len"][0] = 5
-    assert check_state(state, BLOCK_SIZE, num_blocks=NUM_BLOCKS, decoder_blocks=DECODER_BLOCKS) is None
+    assert (
+        check_state(state, BLOCK_SIZE, num_blocks=NUM_BLOCKS, decoder_blocks=DECODER_BLOCKS) is None
+    )
 
 
 def test_preempted_slot_holding_a_decoder_block():
@@ -274,7 +323,10 @@ def test_hole_in_decoder_columns():
     state["block_tables"][3, 1] = -1
     state["free_list"][3] = 11
     state["free_list_len"][0] = 4
-    assert "slot 3: decoder columns [1] are -1, expected block ids (used_list_len is 2)" in violations(state)
+    assert (
+        "slot 3: decoder columns [1] are -1, expected block ids (used_list_len is 2)"
+        in violations(state)
+    )
 
 
 def test_block_past_used_columns():
@@ -282,47 +334,62 @@ def test_block_past_used_columns():
     state["block_tables"][0, 3] = 15
     state["free_list_len"][0] = 2
     message = violations(state)
-    assert "slot 0: columns [3] hold blocks [15] past its 2 encoder + 1 decoder blocks, expected -1" in message
+    assert (
+        "slot 0: columns [3] hold blocks [15] past its 2 encoder + 1 decoder blocks, expected -1"
+        in message
+    )
 
 
 def test_missing_encoder_block():
     state = valid_state()
     state["block_tables"][0, 1] = -1
-    assert "slot 0: encoder columns [1] are -1, expected block ids (encoder_block_lens is 2)" in violations(state)
+    assert (
+        "slot 0: encoder columns [1] are -1, expected block ids (encoder_block_lens is 2)"
+        in violations(state)
+    )
 
 
 def test_encoder_plus_decoder_past_the_table():
     state = valid_state()
     state["used_list_len"][1] = 6
     message = violations(state)
-    assert "slot 1: encoder_block_lens + used_list_len is 1+6, expected <= 6 (blocks per sequence)" in message
+    assert (
+        "slot 1: encoder_block_lens + used_list_len is 1+6, expected <= 6 (blocks per sequence)"
+        in message
+    )
 
 
 # ---- Dtypes and shapes. ------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("name", "dtype", "expected"), [
-    ("seq_lens_decoder", np.int64, "seq_lens_decoder: expected dtype int32, got int64"),
-    ("stop_flags", np.int32, "stop_flags: expected dtype bool, got int32"),
-    ("input_ids", np.int32, "input_ids: expected dtype int64, got int32"),
-    ("free_list_len", np.int64, "free_list_len: expected dtype int32, got int64"),
-    ("block_tables", np.int64, "block_tables: expected dtype int32, got int64"),
-])
+@pytest.mark.parametrize(
+    ("name", "dtype", "expected"),
+    [
+        ("seq_lens_decoder", np.int64, "seq_lens_decoder: expected dtype int32, got int64"),
+        ("stop_flags", np.int32, "stop_flags: expected dtype bool, got int32"),
+        ("input_ids", np.int32, "input_ids: expected dtype int64, got int32"),
+        ("free_list_len", np.int64, "free_list_len: expected dtype int32, got int64"),
+        ("block_tables", np.int64, "block_tables: expected dtype int32, got int64"),
+    ],
+)
 def test_wrong_dtype(name, dtype, expected):
     state = valid_state()
     state[name] = state[name].astype(dtype)
     assert expected in violations(state)
 
 
-@pytest.mark.parametrize(("name", "shape", "expected"), [
-    ("stop_flags", (4, 2), "stop_flags: expected shape [4] or [4, 1], got [4, 2]"),
-    ("is_block_step", (4, 1), "is_block_step: expected shape [4], got [4, 1]"),
-    ("seq_lens_this_time", (3,), "seq_lens_this_time: expected shape [4] or [4, 1], got [3]"),
-    ("step_lens", (2,), "step_lens: expected shape [1], got [2]"),
-    ("free_list", (2, 3), "free_list: expected shape [N], got [2, 3]"),
-    ("block_tables", (24,), "block_tables: expected shape [B, M], got [24]"),
-    ("pre_ids", (3, 24), "pre_ids: expected shape [4, *], got [3, 24]"),
-])
+@pytest.mark.parametrize(
+    ("name", "shape", "expected"),
+    [
+        ("stop_flags", (4, 2), "stop_flags: expected shape [4] or [4, 1], got [4, 2]"),
+        ("is_block_step", (4, 1), "is_block_step: expected shape [4], got [4, 1]"),
+        ("seq_lens_this_time", (3,), "seq_lens_this_time: expected shape [4] or [4, 1], got [3]"),
+        ("step_lens", (2,), "step_lens: expected shape [1], got [2]"),
+        ("free_list", (2, 3), "free_list: expected shape [N], got [2, 3]"),
+        ("block_tables", (24,), "block_tables: expected shape [B, M], got [24]"),
+        ("pre_ids", (3, 24), "pre_ids: expected shape [4, *], got [3, 24]"),
+    ],
+)
 def test_wrong_shape(name, shape, expected):
     state = valid_state()
     state[name] = np.resize(state[name], shape)

@@ -41,7 +41,7 @@ def assert_blocks_conserved(engine: Engine) -> None:
         encoder_held += tables[slot, : encoder_lens[slot]].tolist()
         if not preempted[slot]:
             first = encoder_lens[slot]
-            decoder_owned += tables[slot, first: first + used[slot]].tolist()
+            decoder_owned += tables[slot, first : first + used[slot]].tolist()
     assert sorted(pool + decoder_owned) == list(
         range(config.num_encoder_blocks, config.num_kv_blocks)
     ), f"pool {sorted(pool)} + decoder-owned {sorted(decoder_owned)}"
@@ -64,8 +64,14 @@ def run_checked(engine: Engine) -> dict[int, list[int]]:
 
 
 def test_config_derived_sizes() -> None:
-    config = EngineConfig(max_batch=3, max_model_len=32, block_size=4, num_kv_blocks=40,
-                          decoder_pool_ratio=0.25, enc_dec_block_num=1)
+    config = EngineConfig(
+        max_batch=3,
+        max_model_len=32,
+        block_size=4,
+        num_kv_blocks=40,
+        decoder_pool_ratio=0.25,
+        enc_dec_block_num=1,
+    )
     assert config.blocks_per_seq == 8 and config.max_dec_blocks == 8
     assert (config.num_decoder_blocks, config.num_encoder_blocks) == (10, 30)
     assert config.encoder_blocks_for(1) == 2
@@ -135,8 +141,12 @@ def test_add_request_rejects_requests_that_cannot_run(model: TinyLlama) -> None:
         engine.add_request([1], 0)
     with pytest.raises(ValueError, match="top_p': expected in \\(0, 1\\]"):
         engine.add_request([1], 2, top_p=0.0)
-    small = Engine(model, EngineConfig(max_batch=2, max_model_len=32, block_size=4,
-                                       num_kv_blocks=20, decoder_pool_ratio=0.7))
+    small = Engine(
+        model,
+        EngineConfig(
+            max_batch=2, max_model_len=32, block_size=4, num_kv_blocks=20, decoder_pool_ratio=0.7
+        ),
+    )
     with pytest.raises(ValueError, match="needs 7 encoder blocks, expected <= 6"):
         small.add_request([1] * 21, 4)
     assert engine.num_waiting == 0 and not engine.has_unfinished()
@@ -218,8 +228,9 @@ def test_invariants_hold_every_step_under_preemption(model: TinyLlama) -> None:
     prompts = [rng.integers(0, 256, int(rng.integers(1, 12))).tolist() for _ in range(10)]
     limits = [int(rng.integers(8, 20)) for _ in prompts]
     # Pool of 8 blocks = one full sequence; 6 slots decoding at once must share it.
-    config = EngineConfig(max_batch=6, max_model_len=32, block_size=4, num_kv_blocks=40,
-                          decoder_pool_ratio=0.2)
+    config = EngineConfig(
+        max_batch=6, max_model_len=32, block_size=4, num_kv_blocks=40, decoder_pool_ratio=0.2
+    )
     engine = Engine(model, config, check_state=True)
     for prompt, limit in zip(prompts, limits):
         engine.add_request(prompt, limit)
@@ -263,8 +274,7 @@ def test_share_inputs_check_reports_a_planted_corruption():
     from paddle_step import StateError
     from paddle_step.state import EngineConfig, ShareInputs
 
-    state = ShareInputs(EngineConfig(max_batch=2, max_model_len=16, block_size=4,
-                                     num_kv_blocks=16))
+    state = ShareInputs(EngineConfig(max_batch=2, max_model_len=16, block_size=4, num_kv_blocks=16))
     state.check()  # a fresh state is valid
     pool_top = int(state.free_list[0])
     state.block_tables[1, 0] = pool_top  # a pool block also owned by slot 1

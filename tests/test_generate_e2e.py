@@ -32,8 +32,7 @@ def model() -> TinyLlama:
 def workload() -> tuple[list[list[int]], list[int]]:
     """Prompts of 1..30 tokens and output limits of 1..24 tokens."""
     rng = np.random.default_rng(2024)
-    prompts = [rng.integers(0, 256, int(rng.integers(1, 31))).tolist()
-               for _ in range(NUM_REQUESTS)]
+    prompts = [rng.integers(0, 256, int(rng.integers(1, 31))).tolist() for _ in range(NUM_REQUESTS)]
     limits = [int(rng.integers(1, 25)) for _ in range(NUM_REQUESTS)]
     return prompts, limits
 
@@ -45,8 +44,13 @@ def greedy_reference(model, workload) -> list[list[int]]:
 
 
 def engine_config(num_kv_blocks: int, decoder_pool_ratio: float) -> EngineConfig:
-    return EngineConfig(max_batch=8, max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
-                        num_kv_blocks=num_kv_blocks, decoder_pool_ratio=decoder_pool_ratio)
+    return EngineConfig(
+        max_batch=8,
+        max_model_len=MAX_MODEL_LEN,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=num_kv_blocks,
+        decoder_pool_ratio=decoder_pool_ratio,
+    )
 
 
 # Tight: a 14-block pool (one full sequence) shared by 8 slots. Generous: every slot can
@@ -93,28 +97,67 @@ def test_sampling_does_not_depend_on_batching_or_preemption(model, workload):
 def run_example(*args: str) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO / "python"), *filter(None, [env.get("PYTHONPATH")])])
+        [str(REPO / "python"), *filter(None, [env.get("PYTHONPATH")])]
+    )
     completed = subprocess.run(
         [sys.executable, str(REPO / "examples" / "generate.py"), *args],
-        capture_output=True, text=True, env=env, timeout=300, check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     return json.loads(completed.stdout)  # the whole of stdout is one JSON object
 
 
 def test_example_json_matches_naive_json():
-    args = ("--num-requests", "12", "--max-batch", "6", "--max-new-tokens", "24",
-            "--block-size", "4", "--kv-blocks", "80", "--decoder-pool-ratio", "0.25",
-            "--dtype", "float64", "--json")
+    args = (
+        "--num-requests",
+        "12",
+        "--max-batch",
+        "6",
+        "--max-new-tokens",
+        "24",
+        "--block-size",
+        "4",
+        "--kv-blocks",
+        "80",
+        "--decoder-pool-ratio",
+        "0.25",
+        "--dtype",
+        "float64",
+        "--json",
+    )
     engine_run = run_example(*args)
     naive_run = run_example(*args, "--naive")
     assert engine_run["stats"]["preemptions"] > 0 and engine_run["stats"]["recoveries"] > 0
     for run in (engine_run, naive_run):
         assert len(run["requests"]) == 12
         assert {"steps", "preemptions", "recoveries", "tokens_per_s"} <= set(run["stats"])
-    assert [r["prompt_ids"] for r in engine_run["requests"]] == \
-        [r["prompt_ids"] for r in naive_run["requests"]]
-    assert [r["token_ids"] for r in engine_run["requests"]] == \
-        [r["token_ids"] for r in naive_run["requests"]]
-    assert [r["finish_reason"] for r in engine_run["requests"]] == \
-        [r["finish_reason"] for r in naive_run["requests"]]
+    assert [r["prompt_ids"] for r in engine_run["requests"]] == [
+        r["prompt_ids"] for r in naive_run["requests"]
+    ]
+    assert [r["token_ids"] for r in engine_run["requests"]] == [
+        r["token_ids"] for r in naive_run["requests"]
+    ]
+    assert [r["finish_reason"] for r in engine_run["requests"]] == [
+        r["finish_reason"] for r in naive_run["requests"]
+    ]
+
+
+def test_example_runs_without_tqdm():
+    # tqdm is optional: without it the example says so in one line and runs on.
+    script = REPO / "examples" / "generate.py"
+    code = (
+        "import runpy, sys; sys.modules['tqdm'] = None; "
+        f"sys.argv = [{str(script)!r}, '--max-new-tokens', '4', '--json']; "
+        f"runpy.run_path({str(script)!r}, run_name='__main__')"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "Traceback" not in completed.stderr
+    assert "optional package 'tqdm' not installed" in completed.stderr
+    assert len(json.loads(completed.stdout)["requests"]) == 6

@@ -191,9 +191,7 @@ def test_greedy_decode_paged_equals_naive(model64: TinyLlama) -> None:
                 rows.append(prompt)
             else:
                 rows.append(generated[b][-1:])
-        batch = build_flat_batch(
-            *slot_state(rows, cached_len, width), block_tables, block_size
-        )
+        batch = build_flat_batch(*slot_state(rows, cached_len, width), block_tables, block_size)
         next_tokens = paddle.argmax(model64.forward_paged(**batch, kv_cache=cache), axis=-1)
         for b, tokens in enumerate(rows):
             if tokens:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fake_decode_loop import (
+from paddle_step.check_state import StateError, check_state
+from paddle_step.tensor_table import STEP_PADDLE_TENSORS
+from paddle_step.testing.fake_decode_loop import (
     FakeDecodeLoop,
     FakeLoopError,
     add_preempted,
@@ -17,8 +19,7 @@ from fake_decode_loop import (
     make_state,
     token_at,
 )
-from paddle_step.check_state import StateError, check_state
-from ref_step_paddle import STEP_PADDLE_TENSORS, ref_step_paddle
+from paddle_step.testing.ref_step_paddle import ref_step_paddle
 
 
 def copy_state(state):
@@ -54,7 +55,9 @@ def reset_scratch(expected):
 
 def test_free_returns_decoder_blocks_in_column_order():
     state = make_state(3, 6, 24, free_list=[20], free_list_size=4)
-    add_running(state, 0, encoder_blocks=[0, 1], decoder_blocks=[21, 22], seq_lens_decoder=14, prompt_len=6)
+    add_running(
+        state, 0, encoder_blocks=[0, 1], decoder_blocks=[21, 22], seq_lens_decoder=14, prompt_len=6
+    )
     stop_like_update_inputs(state, 0)
     add_running(state, 1, encoder_blocks=[2], seq_lens_decoder=2, prompt_len=2)  # no decoder block
     stop_like_update_inputs(state, 1)
@@ -76,7 +79,9 @@ def test_free_returns_decoder_blocks_in_column_order():
 def test_sequence_at_end_of_table_is_stopped_and_freed_in_the_same_call():
     # M = 4 columns of 4 tokens; seq_lens_decoder = 16 would write column 4.
     state = make_state(1, 4, 32, free_list_size=4)
-    add_running(state, 0, encoder_blocks=[0], decoder_blocks=[10, 11, 12], seq_lens_decoder=16, prompt_len=3)
+    add_running(
+        state, 0, encoder_blocks=[0], decoder_blocks=[10, 11, 12], seq_lens_decoder=16, prompt_len=3
+    )
     result = ref_step_paddle(state, 4)
 
     expected = copy_state(state)
@@ -94,8 +99,14 @@ def test_sequence_at_end_of_table_is_stopped_and_freed_in_the_same_call():
 def test_all_stopped_frees_everything_and_dispatches_nothing():
     state = make_state(3, 4, 16, free_list=[], free_list_size=5)
     for slot, decoder_blocks in enumerate([[10, 11], [], [12]]):
-        add_running(state, slot, encoder_blocks=[slot], decoder_blocks=decoder_blocks,
-                    seq_lens_decoder=4 + 4 * len(decoder_blocks) - 1, prompt_len=1)
+        add_running(
+            state,
+            slot,
+            encoder_blocks=[slot],
+            decoder_blocks=decoder_blocks,
+            seq_lens_decoder=4 + 4 * len(decoder_blocks) - 1,
+            prompt_len=1,
+        )
         stop_like_update_inputs(state, slot)
     result = ref_step_paddle(state, 4)
 
@@ -157,8 +168,12 @@ def test_nothing_needy_and_empty_pool_changes_only_scratch():
 def test_preempts_biggest_holder_lowest_slot_on_ties():
     state = make_state(4, 6, 24, free_list=[], free_list_size=8)
     add_running(state, 0, encoder_blocks=[0], decoder_blocks=[10], seq_lens_decoder=5, prompt_len=2)
-    add_running(state, 1, encoder_blocks=[1], decoder_blocks=[11, 12], seq_lens_decoder=9, prompt_len=2)
-    add_running(state, 2, encoder_blocks=[2], decoder_blocks=[13, 14], seq_lens_decoder=10, prompt_len=2)
+    add_running(
+        state, 1, encoder_blocks=[1], decoder_blocks=[11, 12], seq_lens_decoder=9, prompt_len=2
+    )
+    add_running(
+        state, 2, encoder_blocks=[2], decoder_blocks=[13, 14], seq_lens_decoder=10, prompt_len=2
+    )
     add_running(state, 3, encoder_blocks=[3], seq_lens_decoder=4, prompt_len=2)  # needy
     result = ref_step_paddle(state, 4)
 
@@ -195,7 +210,14 @@ def test_victim_that_is_itself_needy_leaves_the_needy_list():
 def test_holders_of_max_dec_blocks_are_spared_while_others_hold_blocks():
     # L = 16, block_size 4: max_dec_blocks = 4; slot 0 holds exactly 4.
     state = make_state(3, 6, 16, free_list=[], free_list_size=6)
-    add_running(state, 0, encoder_blocks=[], decoder_blocks=[10, 11, 12, 13], seq_lens_decoder=14, prompt_len=1)
+    add_running(
+        state,
+        0,
+        encoder_blocks=[],
+        decoder_blocks=[10, 11, 12, 13],
+        seq_lens_decoder=14,
+        prompt_len=1,
+    )
     add_running(state, 1, encoder_blocks=[0], decoder_blocks=[14], seq_lens_decoder=6, prompt_len=2)
     add_running(state, 2, encoder_blocks=[1], seq_lens_decoder=4, prompt_len=2)  # needy
     result = ref_step_paddle(state, 4)
@@ -208,7 +230,14 @@ def test_holders_of_max_dec_blocks_are_spared_while_others_hold_blocks():
 
 def test_holders_of_max_dec_blocks_are_preempted_when_nobody_else_holds_any():
     state = make_state(2, 6, 16, free_list=[], free_list_size=6)
-    add_running(state, 0, encoder_blocks=[], decoder_blocks=[10, 11, 12, 13], seq_lens_decoder=14, prompt_len=1)
+    add_running(
+        state,
+        0,
+        encoder_blocks=[],
+        decoder_blocks=[10, 11, 12, 13],
+        seq_lens_decoder=14,
+        prompt_len=1,
+    )
     add_running(state, 1, encoder_blocks=[1], seq_lens_decoder=4, prompt_len=2)  # needy
     result = ref_step_paddle(state, 4)
 
@@ -282,7 +311,9 @@ def test_recovery_budget_uses_each_sequences_own_encoder_length():
     # L = 32, block_size 4: max_dec_blocks = 8 = M.
     state = make_state(2, 8, 32, free_list=[10, 11, 12, 13, 14, 15])
     add_preempted(state, 0, encoder_blocks=[0, 1], used_list_len=3, prompt_len=6, step_idx=9)
-    add_preempted(state, 1, encoder_blocks=[2, 3, 4, 5, 6, 7], used_list_len=3, prompt_len=22, step_idx=5)
+    add_preempted(
+        state, 1, encoder_blocks=[2, 3, 4, 5, 6, 7], used_list_len=3, prompt_len=22, step_idx=5
+    )
     result = ref_step_paddle(state, 4)
 
     expected = copy_state(state)
@@ -307,9 +338,15 @@ def test_recovery_budget_uses_each_sequences_own_encoder_length():
 
 def test_recovery_is_lifo_and_stops_at_the_first_that_does_not_fit():
     state = make_state(3, 8, 32, free_list=[10, 11, 12])
-    add_preempted(state, 0, encoder_blocks=[0], used_list_len=0, prompt_len=3, step_idx=2)  # budget 1
-    add_preempted(state, 1, encoder_blocks=[1], used_list_len=1, prompt_len=4, step_idx=2)  # budget 2
-    add_preempted(state, 2, encoder_blocks=[2], used_list_len=1, prompt_len=2, step_idx=5)  # budget 2
+    add_preempted(
+        state, 0, encoder_blocks=[0], used_list_len=0, prompt_len=3, step_idx=2
+    )  # budget 1
+    add_preempted(
+        state, 1, encoder_blocks=[1], used_list_len=1, prompt_len=4, step_idx=2
+    )  # budget 2
+    add_preempted(
+        state, 2, encoder_blocks=[2], used_list_len=1, prompt_len=2, step_idx=5
+    )  # budget 2
     result = ref_step_paddle(state, 4)
 
     expected = copy_state(state)
@@ -331,7 +368,9 @@ def test_recovery_is_lifo_and_stops_at_the_first_that_does_not_fit():
 
 def test_blocks_freed_in_a_call_are_dispatched_in_it():
     state = make_state(2, 6, 24, free_list=[], free_list_size=4)
-    add_running(state, 0, encoder_blocks=[0], decoder_blocks=[10, 11], seq_lens_decoder=9, prompt_len=3)
+    add_running(
+        state, 0, encoder_blocks=[0], decoder_blocks=[10, 11], seq_lens_decoder=9, prompt_len=3
+    )
     stop_like_update_inputs(state, 0)  # finished: its 2 blocks go back in phase 1
     add_running(state, 1, encoder_blocks=[1], decoder_blocks=[12], seq_lens_decoder=8, prompt_len=3)
     result = ref_step_paddle(state, 4)
@@ -401,7 +440,9 @@ def test_next_column_uses_c_division():
 
 def test_pushes_onto_a_full_free_list_are_dropped():
     state = make_state(1, 4, 16, free_list=[20, 21])
-    add_running(state, 0, encoder_blocks=[0], decoder_blocks=[10, 11], seq_lens_decoder=9, prompt_len=1)
+    add_running(
+        state, 0, encoder_blocks=[0], decoder_blocks=[10, 11], seq_lens_decoder=9, prompt_len=1
+    )
     stop_like_update_inputs(state, 0)
     result = ref_step_paddle(state, 4)
     assert result["free_list"].tolist() == [20, 21]
@@ -478,34 +519,47 @@ def test_rejects_a_non_positive_block_size():
 
 # FakeDecodeLoop arguments. "tight" pools hold little more than the largest
 # recovery budget, so preemption (and, with B above the pool, shortfall) is routine.
+# A table: one entry a line or two, not reflowed.
+# fmt: off
 LOOP_CONFIGS = {
-    "B1": dict(batch_size=1, max_model_len=32, block_size=4, blocks_per_seq=8, num_decoder_blocks=7,
-               num_encoder_blocks=8, prompt_len_range=(1, 16), output_len_range=(1, 40), num_requests=20),
-    "B7-tight": dict(batch_size=7, max_model_len=16, block_size=2, blocks_per_seq=8, num_decoder_blocks=3,
-                     num_encoder_blocks=40, prompt_len_range=(10, 14), output_len_range=(1, 6),
-                     num_requests=300),
+    "B1": dict(batch_size=1, max_model_len=32, block_size=4, blocks_per_seq=8,
+               num_decoder_blocks=7, num_encoder_blocks=8, prompt_len_range=(1, 16),
+               output_len_range=(1, 40), num_requests=20),
+    "B7-tight": dict(batch_size=7, max_model_len=16, block_size=2, blocks_per_seq=8,
+                     num_decoder_blocks=3, num_encoder_blocks=40, prompt_len_range=(10, 14),
+                     output_len_range=(1, 6), num_requests=300),
     # blocks_per_seq * block_size < max_model_len: the op ends sequences at the table's end.
     "B7-short-table": dict(batch_size=7, max_model_len=32, block_size=2, blocks_per_seq=12,
                            num_decoder_blocks=9, num_encoder_blocks=60, enc_dec_block_num=1,
                            prompt_len_range=(3, 16), output_len_range=(4, 28), stop_prob=0.01,
                            num_requests=60, stopped_shape="[B,1]"),
-    "B83-tight": dict(batch_size=83, max_model_len=32, block_size=2, blocks_per_seq=16, num_decoder_blocks=12,
-                      num_encoder_blocks=600, prompt_len_range=(9, 24), output_len_range=(2, 16)),
-    "B83-column": dict(batch_size=83, max_model_len=64, block_size=4, blocks_per_seq=16, num_decoder_blocks=20,
-                       num_encoder_blocks=600, enc_dec_block_num=1, prompt_len_range=(1, 30),
-                       output_len_range=(2, 40), stopped_shape="[B,1]"),
+    "B83-tight": dict(batch_size=83, max_model_len=32, block_size=2, blocks_per_seq=16,
+                      num_decoder_blocks=12, num_encoder_blocks=600, prompt_len_range=(9, 24),
+                      output_len_range=(2, 16)),
+    "B83-column": dict(batch_size=83, max_model_len=64, block_size=4, blocks_per_seq=16,
+                       num_decoder_blocks=20, num_encoder_blocks=600, enc_dec_block_num=1,
+                       prompt_len_range=(1, 30), output_len_range=(2, 40), stopped_shape="[B,1]"),
 }
+# fmt: on
 TIGHT = {"B7-tight", "B83-tight", "B7-short-table", "B83-column"}
 WITH_SHORTFALL = {"B7-tight", "B83-tight"}
 
 
 def run_reference_loop(loop: FakeDecodeLoop, max_steps: int = 3000) -> int:
     def check(state, after_step):
-        check_state(state, loop.block_size, after_step=after_step,
-                    num_blocks=loop.num_blocks, decoder_blocks=loop.decoder_block_ids)
+        check_state(
+            state,
+            loop.block_size,
+            after_step=after_step,
+            num_blocks=loop.num_blocks,
+            decoder_blocks=loop.decoder_block_ids,
+        )
 
-    return loop.run(lambda state: ref_step_paddle(state, loop.block_size, loop.enc_dec_block_num),
-                    max_steps, check)
+    return loop.run(
+        lambda state: ref_step_paddle(state, loop.block_size, loop.enc_dec_block_num),
+        max_steps,
+        check,
+    )
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -547,6 +601,14 @@ def test_invariant_check_catches_a_lost_block():
 
     loop = FakeDecodeLoop(**LOOP_CONFIGS["B7-tight"], seed=0)
     with pytest.raises(StateError, match="is lost"):
-        loop.run(loses_a_block, 50, lambda state, after_step: check_state(
-            state, 2, after_step=after_step, num_blocks=loop.num_blocks,
-            decoder_blocks=loop.decoder_block_ids))
+        loop.run(
+            loses_a_block,
+            50,
+            lambda state, after_step: check_state(
+                state,
+                2,
+                after_step=after_step,
+                num_blocks=loop.num_blocks,
+                decoder_blocks=loop.decoder_block_ids,
+            ),
+        )

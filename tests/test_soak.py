@@ -32,8 +32,13 @@ def test_soak_tight_budget_matches_naive(soak_steps):
     model = TinyLlama(ModelConfig(dtype="float64", seed=11))
     eos_token_id = most_frequent_token(model)
     # A 12-block decoder pool (one full sequence) shared by 8 slots.
-    config = EngineConfig(max_batch=8, max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
-                          num_kv_blocks=60, decoder_pool_ratio=0.2)
+    config = EngineConfig(
+        max_batch=8,
+        max_model_len=MAX_MODEL_LEN,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=60,
+        decoder_pool_ratio=0.2,
+    )
     engine = Engine(model, config, check_state=True)
     rng = np.random.default_rng(2026)
 
@@ -56,9 +61,13 @@ def test_soak_tight_budget_matches_naive(soak_steps):
     assert reasons == {"eos", "length"}, reasons
 
     order = sorted(requests)
-    expected, _ = generate_naive(model, [requests[i][0] for i in order],
-                                 [requests[i][1] for i in order], eos_token_id=eos_token_id,
-                                 max_model_len=MAX_MODEL_LEN)
+    expected, _ = generate_naive(
+        model,
+        [requests[i][0] for i in order],
+        [requests[i][1] for i in order],
+        eos_token_id=eos_token_id,
+        max_model_len=MAX_MODEL_LEN,
+    )
     for request_id, reference in zip(order, expected):
         got = finished[request_id]
         assert got.token_ids == reference.token_ids, request_id

@@ -5,16 +5,27 @@ The compiled ops and the engine load on first use, so ``paddle_step.check_state`
 (NumPy only) imports without paddle or a build.
 """
 
+import warnings
 from importlib import import_module
 
 from .check_state import StateError, check_state
+
+# `import paddle` warns "No ccache found" (paddle.utils.cpp_extension looks for a compiler
+# cache when it is imported): a concern of whoever builds extensions, not of a user of the
+# built ops. Only that message from that module is ignored; paddle is not imported here.
+warnings.filterwarnings(
+    "ignore",
+    message="No ccache found",
+    category=UserWarning,
+    module=r"paddle\.utils\.cpp_extension\.extension_utils",
+)
 
 _LAZY = {
     "advance_step": ".ops",
     "step_paddle": ".ops",
     "Engine": ".engine",
-    "GenerationResult": ".engine",
-    "GenerationStats": ".engine",
+    "GenerationResult": ".sequence",
+    "GenerationStats": ".sequence",
     "EngineConfig": ".state",
 }
 

@@ -1,7 +1,9 @@
-"""Host-side validation of a ``step_paddle`` state (SPEC's invariants).
+"""Host-side validation of a ``step_paddle`` state (docs/SPEC.md's invariants).
 
 Needs only NumPy: it works on Paddle tensors (through ``.numpy()``) or NumPy
-arrays and never imports the compiled ops.
+arrays and never imports the compiled ops. ``check_state`` runs one check per
+family of invariants (layout, lengths and lists, block ids, per-slot tables)
+and reports every violation at once.
 """
 
 from __future__ import annotations
@@ -11,52 +13,9 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-__all__ = ["STEP_PADDLE_TENSORS", "StateError", "check_state"]
+from .tensor_table import STEP_PADDLE_TABLE, STEP_PADDLE_TENSORS
 
-# SPEC's tensors, in FastDeploy's argument order.
-STEP_PADDLE_TENSORS = (
-    "stop_flags",
-    "seq_lens_this_time",
-    "ori_seq_lens_encoder",
-    "seq_lens_encoder",
-    "seq_lens_decoder",
-    "block_tables",
-    "encoder_block_lens",
-    "is_block_step",
-    "step_block_list",
-    "step_lens",
-    "recover_block_list",
-    "recover_lens",
-    "need_block_list",
-    "need_block_len",
-    "used_list_len",
-    "free_list",
-    "free_list_len",
-    "input_ids",
-    "pre_ids",
-    "step_idx",
-    "next_tokens",
-    "first_token_ids",
-)
-
-# Per-slot tensors: dtype and whether SPEC also allows the shape [B, 1].
-_PER_SLOT = {
-    "stop_flags": (np.bool_, True),
-    "is_block_step": (np.bool_, False),
-    "seq_lens_this_time": (np.int32, True),
-    "ori_seq_lens_encoder": (np.int32, True),
-    "seq_lens_encoder": (np.int32, True),
-    "seq_lens_decoder": (np.int32, True),
-    "encoder_block_lens": (np.int32, True),
-    "used_list_len": (np.int32, True),
-    "step_block_list": (np.int32, True),
-    "recover_block_list": (np.int32, True),
-    "need_block_list": (np.int32, True),
-    "step_idx": (np.int64, True),
-    "next_tokens": (np.int64, True),
-    "first_token_ids": (np.int64, True),
-}
-_LENGTHS = ("step_lens", "recover_lens", "need_block_len", "free_list_len")  # int32 [1]
+__all__ = ["StateError", "check_state"]
 
 
 class StateError(ValueError):
@@ -65,9 +24,7 @@ class StateError(ValueError):
     def __init__(self, violations: Iterable[str]):
         self.violations = list(violations)
         lines = "\n".join(f"  - {violation}" for violation in self.violations)
-        super().__init__(
-            f"step_paddle state: {len(self.violations)} violation(s):\n{lines}"
-        )
+        super().__init__(f"step_paddle state: {len(self.violations)} violation(s):\n{lines}")
 
 
 def _to_numpy(value) -> np.ndarray:
@@ -80,60 +37,274 @@ def _c_div(numerator: int, denominator: int) -> int:
     return quotient if (numerator >= 0) == (denominator > 0) else -quotient
 
 
+def _batch_size(arrays: Mapping[str, np.ndarray]) -> int | None:
+    """B from a usable block_tables, else from seq_lens_this_time, else None."""
+    block_tables = arrays.get("block_tables")
+    if block_tables is not None and block_tables.ndim == 2:
+        return block_tables.shape[0]
+    lens = arrays.get("seq_lens_this_time")
+    if lens is not None:
+        return lens.shape[0] if lens.ndim else 0
+    return None
+
+
+def _shape_problem(name: str, kind: str, shape: tuple, batch_size: int | None) -> str | None:
+    """The violation of SPEC's shape ``kind`` by ``shape``, or None."""
+    if kind in ("[B]", "[B or B,1]"):
+        allowed = [(batch_size,)] + ([(batch_size, 1)] if kind == "[B or B,1]" else [])
+        if batch_size is None or shape in allowed:
+            return None
+        wanted = " or ".join(str(list(s)) for s in allowed)
+        return f"{name}: expected shape {wanted}, got {list(shape)}"
+    if kind == "[1]":
+        return None if shape == (1,) else f"{name}: expected shape [1], got {list(shape)}"
+    if kind == "[N]":
+        return None if len(shape) == 1 else f"{name}: expected shape [N], got {list(shape)}"
+    if kind == "[B,M]":
+        return None if len(shape) == 2 else f"{name}: expected shape [B, M], got {list(shape)}"
+    # [B,L] and [B,P]: any width.
+    if len(shape) != 2 or (batch_size is not None and shape[0] != batch_size):
+        return f"{name}: expected shape [{batch_size}, *], got {list(shape)}"
+    return None
+
+
 def _check_layout(arrays: Mapping[str, np.ndarray]) -> list[str]:
-    """Dtype and shape of every tensor, per SPEC."""
+    """Dtype and shape of every tensor, per SPEC's table."""
     problems = []
     missing = [name for name in STEP_PADDLE_TENSORS if name not in arrays]
     if missing:
         problems.append(f"missing tensors: {', '.join(missing)}")
-
-    def expect_dtype(name, dtype):
-        if name in arrays and arrays[name].dtype != dtype:
+    batch_size = _batch_size(arrays)
+    for spec in STEP_PADDLE_TABLE:
+        array = arrays.get(spec.name)
+        if array is None:
+            continue
+        problem = _shape_problem(spec.name, spec.shape, tuple(array.shape), batch_size)
+        if problem:
+            problems.append(problem)
+        if array.dtype != spec.dtype:
             problems.append(
-                f"{name}: expected dtype {np.dtype(dtype).name}, got {arrays[name].dtype.name}"
+                f"{spec.name}: expected dtype {spec.dtype.name}, got {array.dtype.name}"
+            )
+    return problems
+
+
+def _check_lengths_and_lists(
+    flat: Mapping[str, np.ndarray], batch_size: int, after_step: bool
+) -> list[str]:
+    """Scalar lengths in range, scratch lists reset, step_block_list agreeing with
+    is_block_step, no negative per-slot length."""
+    problems = []
+    free_list_capacity = flat["free_list"].size
+    free_list_len = int(flat["free_list_len"][0])
+    if not 0 <= free_list_len <= free_list_capacity:
+        problems.append(
+            f"free_list_len is {free_list_len}, expected 0 <= free_list_len <= "
+            f"{free_list_capacity} (free_list size)"
+        )
+    for name in ("step_lens", "need_block_len", "recover_lens"):
+        value = int(flat[name][0])
+        if not 0 <= value <= batch_size:
+            problems.append(f"{name} is {value}, expected 0 <= {name} <= {batch_size} (B)")
+    if after_step:
+        for name in ("need_block_len", "recover_lens"):
+            if flat[name][0] != 0:
+                problems.append(f"{name} is {int(flat[name][0])}, expected 0 after step_paddle")
+        stale = np.flatnonzero(flat["need_block_list"] != -1)
+        if stale.size:
+            problems.append(
+                f"need_block_list entries {stale.tolist()} are not -1 after step_paddle"
             )
 
-    block_tables = arrays.get("block_tables")
-    if block_tables is not None and block_tables.ndim != 2:
-        problems.append(f"block_tables: expected shape [B, M], got {list(block_tables.shape)}")
-        block_tables = None
-    expect_dtype("block_tables", np.int32)
-    # B comes from block_tables when it is usable, else from seq_lens_this_time.
-    if block_tables is not None:
-        batch_size = block_tables.shape[0]
-    elif "seq_lens_this_time" in arrays:
-        batch_size = arrays["seq_lens_this_time"].shape[0] if arrays["seq_lens_this_time"].ndim else 0
-    else:
-        batch_size = None
+    step_lens = int(flat["step_lens"][0])
+    is_block_step = flat["is_block_step"]
+    listed_slots: set[int] = set()
+    for position in range(min(max(step_lens, 0), batch_size)):
+        slot = int(flat["step_block_list"][position])
+        if not 0 <= slot < batch_size:
+            problems.append(
+                f"step_block_list[{position}] is {slot}, expected a slot id in [0, {batch_size})"
+            )
+        elif slot in listed_slots:
+            problems.append(
+                f"slot {slot} is in step_block_list twice (again at position {position})"
+            )
+        else:
+            listed_slots.add(slot)
+            if not is_block_step[slot]:
+                problems.append(
+                    f"slot {slot} is in step_block_list[{position}] but is_block_step is false"
+                )
+    for slot in np.flatnonzero(is_block_step).tolist():
+        if slot not in listed_slots:
+            problems.append(
+                f"slot {slot} is preempted (is_block_step) but not in step_block_list[:{step_lens}]"
+            )
+        if not flat["stop_flags"][slot]:
+            problems.append(f"slot {slot} is preempted (is_block_step) but stop_flags is false")
 
-    for name, (dtype, allows_column) in _PER_SLOT.items():
-        if name not in arrays:
-            continue
-        expect_dtype(name, dtype)
-        shape = tuple(arrays[name].shape)
-        allowed = [(batch_size,)] + ([(batch_size, 1)] if allows_column else [])
-        if batch_size is not None and shape not in allowed:
-            wanted = " or ".join(str(list(s)) for s in allowed)
-            problems.append(f"{name}: expected shape {wanted}, got {list(shape)}")
-
-    for name in _LENGTHS:
-        if name in arrays:
-            expect_dtype(name, np.int32)
-            if tuple(arrays[name].shape) != (1,):
-                problems.append(f"{name}: expected shape [1], got {list(arrays[name].shape)}")
-
-    if "free_list" in arrays:
-        expect_dtype("free_list", np.int32)
-        if arrays["free_list"].ndim != 1:
-            problems.append(f"free_list: expected shape [N], got {list(arrays['free_list'].shape)}")
-
-    for name in ("input_ids", "pre_ids"):
-        if name in arrays:
-            expect_dtype(name, np.int64)
-            shape = list(arrays[name].shape)
-            if len(shape) != 2 or (batch_size is not None and shape[0] != batch_size):
-                problems.append(f"{name}: expected shape [{batch_size}, *], got {shape}")
+    for name in (
+        "seq_lens_this_time",
+        "seq_lens_encoder",
+        "seq_lens_decoder",
+        "encoder_block_lens",
+        "used_list_len",
+    ):
+        for slot in np.flatnonzero(flat[name] < 0).tolist():
+            problems.append(f"slot {slot}: {name} is {int(flat[name][slot])}, expected >= 0")
     return problems
+
+
+def _check_block_ids(
+    block_tables: np.ndarray,
+    pool: np.ndarray,
+    num_blocks: int,
+    decoder_blocks: Iterable[int] | None,
+) -> list[str]:
+    """Block ids in ``[0, num_blocks)``, each owned or pooled once, and (given
+    ``decoder_blocks``) every decoder block accounted for and nothing else in the pool."""
+    problems = []
+
+    owners: dict[int, list[tuple[int, int]]] = defaultdict(list)  # block -> [(slot, column)]
+    for slot, column in zip(*np.nonzero(block_tables != -1)):
+        slot, column = int(slot), int(column)
+        block = int(block_tables[slot, column])
+        if not 0 <= block < num_blocks:
+            problems.append(
+                f"slot {slot}: block_tables[{slot}, {column}] is {block}, expected -1 or a "
+                f"block id in [0, {num_blocks})"
+            )
+        else:
+            owners[block].append((slot, column))
+    for block, places in owners.items():
+        if len(places) > 1:
+            where = ", ".join(f"slot {slot} column {column}" for slot, column in places)
+            problems.append(f"block {block} is owned twice: {where}")
+
+    pool_positions: dict[int, int] = {}
+    for position, block in enumerate(pool.tolist()):
+        if not 0 <= block < num_blocks:
+            problems.append(
+                f"free_list[{position}] is {block}, expected a block id in [0, {num_blocks})"
+            )
+        elif block in pool_positions:
+            problems.append(
+                f"block {block} is in the pool twice: free_list[{pool_positions[block]}] and "
+                f"free_list[{position}]"
+            )
+        else:
+            pool_positions[block] = position
+            if block in owners:
+                slot, column = owners[block][0]
+                problems.append(
+                    f"block {block} is both in the pool (free_list[{position}]) and owned by "
+                    f"slot {slot} (column {column})"
+                )
+
+    if decoder_blocks is not None:
+        decoder_set = {int(block) for block in decoder_blocks}
+        for block in sorted(decoder_set - pool_positions.keys() - owners.keys()):
+            problems.append(
+                f"decoder block {block} is lost: neither in the pool nor in any block table"
+            )
+        for block, position in pool_positions.items():
+            if block not in decoder_set:
+                problems.append(
+                    f"free_list[{position}] is block {block}, which is not a decoder block"
+                )
+    return problems
+
+
+def _check_slot_tables(
+    flat: Mapping[str, np.ndarray], block_tables: np.ndarray, block_size: int, after_step: bool
+) -> list[str]:
+    """Each slot's table row: encoder then decoder columns filled, nothing past them, no
+    decoder block on a finished or preempted slot, and (after a step) a block for every
+    position a running slot writes next."""
+    problems = []
+    blocks_per_seq = block_tables.shape[1]
+    for slot in range(block_tables.shape[0]):
+        encoder_blocks = int(flat["encoder_block_lens"][slot])
+        used_blocks = int(flat["used_list_len"][slot])
+        stopped = bool(flat["stop_flags"][slot])
+        preempted = bool(flat["is_block_step"][slot])
+        if encoder_blocks + used_blocks > blocks_per_seq:
+            problems.append(
+                f"slot {slot}: encoder_block_lens + used_list_len is "
+                f"{encoder_blocks}+{used_blocks}, expected <= {blocks_per_seq} "
+                "(blocks per sequence)"
+            )
+        row = block_tables[slot]
+        held = row != -1
+        encoder_end = min(max(encoder_blocks, 0), blocks_per_seq)
+        if stopped and not preempted and after_step:
+            # step_paddle has freed it: no decoder block left. Its encoder blocks
+            # stay until the host releases them (encoder_block_lens may be 0).
+            if used_blocks > 0:
+                problems.append(
+                    f"slot {slot} is stopped and not preempted but still holds {used_blocks} "
+                    "decoder block(s) (used_list_len), expected 0 after step_paddle"
+                )
+            continue
+        empty_encoder = np.flatnonzero(~held[:encoder_end]).tolist()
+        if empty_encoder:
+            problems.append(
+                f"slot {slot}: encoder columns {empty_encoder} are -1, expected block ids "
+                f"(encoder_block_lens is {encoder_blocks})"
+            )
+        if preempted:
+            stray = (np.flatnonzero(held[encoder_end:]) + encoder_end).tolist()
+            if stray:
+                problems.append(
+                    f"slot {slot} is preempted but holds blocks {row[stray].tolist()} in "
+                    f"decoder columns {stray}"
+                )
+            continue
+        decoder_end = min(max(encoder_end + used_blocks, encoder_end), blocks_per_seq)
+        empty_decoder = (np.flatnonzero(~held[encoder_end:decoder_end]) + encoder_end).tolist()
+        if empty_decoder:
+            problems.append(
+                f"slot {slot}: decoder columns {empty_decoder} are -1, expected block ids "
+                f"(used_list_len is {used_blocks})"
+            )
+        beyond = (np.flatnonzero(held[decoder_end:]) + decoder_end).tolist()
+        if beyond:
+            problems.append(
+                f"slot {slot}: columns {beyond} hold blocks {row[beyond].tolist()} past its "
+                f"{encoder_blocks} encoder + {used_blocks} decoder blocks, expected -1"
+            )
+        if after_step and not stopped and flat["seq_lens_this_time"][slot] > 0:
+            problems.extend(_missing_write_blocks(flat, row, slot, block_size))
+    return problems
+
+
+def _missing_write_blocks(
+    flat: Mapping[str, np.ndarray], row: np.ndarray, slot: int, block_size: int
+) -> list[str]:
+    """A running slot must have blocks for every position it writes next: one decode
+    token, or all its (re-)prefill tokens."""
+    this_time = int(flat["seq_lens_this_time"][slot])
+    first_position = int(flat["seq_lens_decoder"][slot])
+    last_position = first_position + this_time - 1
+    missing = [
+        column
+        for column in range(
+            _c_div(first_position, block_size), _c_div(last_position, block_size) + 1
+        )
+        if not 0 <= column < row.size or row[column] == -1
+    ]
+    if not missing:
+        return []
+    what = (
+        "its next write position"
+        if first_position == last_position
+        else (f"its tokens at positions {first_position}..{last_position}")
+    )
+    return [
+        f"slot {slot} is running but has no block in column(s) {missing} for {what} "
+        f"(seq_lens_decoder={first_position}, seq_lens_this_time={this_time}, "
+        f"seq_lens_encoder={int(flat['seq_lens_encoder'][slot])})"
+    ]
 
 
 def check_state(
@@ -167,184 +338,15 @@ def check_state(
 
     flat = {name: array.reshape(-1) for name, array in arrays.items()}
     block_tables = arrays["block_tables"]
-    batch_size, blocks_per_seq = block_tables.shape
-    stop_flags = flat["stop_flags"]
-    is_block_step = flat["is_block_step"]
-    seq_lens_this_time = flat["seq_lens_this_time"]
-    seq_lens_encoder = flat["seq_lens_encoder"]
-    seq_lens_decoder = flat["seq_lens_decoder"]
-    encoder_block_lens = flat["encoder_block_lens"]
-    used_list_len = flat["used_list_len"]
     free_list = flat["free_list"]
-    free_list_capacity = free_list.size
-    free_list_len = int(flat["free_list_len"][0])
-    step_lens = int(flat["step_lens"][0])
-    problems: list[str] = []
-
-    # ---- Lengths and lists. -----------------------------------------------
-    if not 0 <= free_list_len <= free_list_capacity:
-        problems.append(
-            f"free_list_len is {free_list_len}, expected 0 <= free_list_len <= {free_list_capacity} (free_list size)"
-        )
-    for name in ("step_lens", "need_block_len", "recover_lens"):
-        value = int(flat[name][0])
-        if not 0 <= value <= batch_size:
-            problems.append(f"{name} is {value}, expected 0 <= {name} <= {batch_size} (B)")
-    if after_step:
-        for name in ("need_block_len", "recover_lens"):
-            if flat[name][0] != 0:
-                problems.append(f"{name} is {int(flat[name][0])}, expected 0 after step_paddle")
-        stale = np.flatnonzero(flat["need_block_list"] != -1)
-        if stale.size:
-            problems.append(
-                f"need_block_list entries {stale.tolist()} are not -1 after step_paddle"
-            )
-
-    listed_slots: set[int] = set()
-    for position in range(min(max(step_lens, 0), batch_size)):
-        slot = int(flat["step_block_list"][position])
-        if not 0 <= slot < batch_size:
-            problems.append(
-                f"step_block_list[{position}] is {slot}, expected a slot id in [0, {batch_size})"
-            )
-        elif slot in listed_slots:
-            problems.append(f"slot {slot} is in step_block_list twice (again at position {position})")
-        else:
-            listed_slots.add(slot)
-            if not is_block_step[slot]:
-                problems.append(
-                    f"slot {slot} is in step_block_list[{position}] but is_block_step is false"
-                )
-    for slot in np.flatnonzero(is_block_step).tolist():
-        if slot not in listed_slots:
-            problems.append(
-                f"slot {slot} is preempted (is_block_step) but not in step_block_list[:{step_lens}]"
-            )
-        if not stop_flags[slot]:
-            problems.append(f"slot {slot} is preempted (is_block_step) but stop_flags is false")
-
-    for name in ("seq_lens_this_time", "seq_lens_encoder", "seq_lens_decoder",
-                 "encoder_block_lens", "used_list_len"):
-        for slot in np.flatnonzero(flat[name] < 0).tolist():
-            problems.append(f"slot {slot}: {name} is {int(flat[name][slot])}, expected >= 0")
-
-    # ---- Block ids: range, ownership, pool. -------------------------------
-    pool = free_list[: min(max(free_list_len, 0), free_list_capacity)]
+    pool = free_list[: min(max(int(flat["free_list_len"][0]), 0), free_list.size)]
     if num_blocks is None:
         largest_id = max(int(block_tables.max(initial=-1)), int(pool.max(initial=-1)))
-        num_blocks = max(free_list_capacity, largest_id + 1)
-
-    owners: dict[int, list[tuple[int, int]]] = defaultdict(list)  # block -> [(slot, column)]
-    for slot, column in zip(*np.nonzero(block_tables != -1)):
-        slot, column = int(slot), int(column)
-        block = int(block_tables[slot, column])
-        if not 0 <= block < num_blocks:
-            problems.append(
-                f"slot {slot}: block_tables[{slot}, {column}] is {block}, expected -1 or a block id in [0, {num_blocks})"
-            )
-        else:
-            owners[block].append((slot, column))
-    for block, places in owners.items():
-        if len(places) > 1:
-            where = ", ".join(f"slot {slot} column {column}" for slot, column in places)
-            problems.append(f"block {block} is owned twice: {where}")
-
-    pool_positions: dict[int, int] = {}
-    for position, block in enumerate(pool.tolist()):
-        if not 0 <= block < num_blocks:
-            problems.append(
-                f"free_list[{position}] is {block}, expected a block id in [0, {num_blocks})"
-            )
-        elif block in pool_positions:
-            problems.append(
-                f"block {block} is in the pool twice: free_list[{pool_positions[block]}] and free_list[{position}]"
-            )
-        else:
-            pool_positions[block] = position
-            if block in owners:
-                slot, column = owners[block][0]
-                problems.append(
-                    f"block {block} is both in the pool (free_list[{position}]) and owned by slot {slot} (column {column})"
-                )
-
-    if decoder_blocks is not None:
-        decoder_set = {int(block) for block in decoder_blocks}
-        for block in sorted(decoder_set - pool_positions.keys() - owners.keys()):
-            problems.append(f"decoder block {block} is lost: neither in the pool nor in any block table")
-        for block, position in pool_positions.items():
-            if block not in decoder_set:
-                problems.append(f"free_list[{position}] is block {block}, which is not a decoder block")
-
-    # ---- Per-slot table layout. -------------------------------------------
-    for slot in range(batch_size):
-        encoder_blocks = int(encoder_block_lens[slot])
-        used_blocks = int(used_list_len[slot])
-        stopped = bool(stop_flags[slot])
-        preempted = bool(is_block_step[slot])
-        if encoder_blocks + used_blocks > blocks_per_seq:
-            problems.append(
-                f"slot {slot}: encoder_block_lens + used_list_len is {encoder_blocks}+{used_blocks}, "
-                f"expected <= {blocks_per_seq} (blocks per sequence)"
-            )
-        row = block_tables[slot]
-        held = row != -1
-        encoder_end = min(max(encoder_blocks, 0), blocks_per_seq)
-        if stopped and not preempted and after_step:
-            # step_paddle has freed it: no decoder block left. Its encoder blocks
-            # stay until the host releases them (encoder_block_lens may be 0).
-            if used_blocks > 0:
-                problems.append(
-                    f"slot {slot} is stopped and not preempted but still holds {used_blocks} decoder "
-                    f"block(s) (used_list_len), expected 0 after step_paddle"
-                )
-            continue
-        empty_encoder = np.flatnonzero(~held[:encoder_end]).tolist()
-        if empty_encoder:
-            problems.append(
-                f"slot {slot}: encoder columns {empty_encoder} are -1, expected block ids "
-                f"(encoder_block_lens is {encoder_blocks})"
-            )
-        if preempted:
-            stray = (np.flatnonzero(held[encoder_end:]) + encoder_end).tolist()
-            if stray:
-                problems.append(
-                    f"slot {slot} is preempted but holds blocks {row[stray].tolist()} in decoder columns {stray}"
-                )
-            continue
-        decoder_end = min(max(encoder_end + used_blocks, encoder_end), blocks_per_seq)
-        empty_decoder = (np.flatnonzero(~held[encoder_end:decoder_end]) + encoder_end).tolist()
-        if empty_decoder:
-            problems.append(
-                f"slot {slot}: decoder columns {empty_decoder} are -1, expected block ids "
-                f"(used_list_len is {used_blocks})"
-            )
-        beyond = (np.flatnonzero(held[decoder_end:]) + decoder_end).tolist()
-        if beyond:
-            problems.append(
-                f"slot {slot}: columns {beyond} hold blocks {row[beyond].tolist()} past its "
-                f"{encoder_blocks} encoder + {used_blocks} decoder blocks, expected -1"
-            )
-
-        # A running slot must have blocks for every position it writes next:
-        # one decode token, or all its (re-)prefill tokens.
-        if after_step and not stopped and seq_lens_this_time[slot] > 0:
-            first_position = int(seq_lens_decoder[slot])
-            last_position = first_position + int(seq_lens_this_time[slot]) - 1
-            first_column = _c_div(first_position, block_size)
-            last_column = _c_div(last_position, block_size)
-            missing = [
-                column for column in range(first_column, last_column + 1)
-                if not 0 <= column < blocks_per_seq or row[column] == -1
-            ]
-            if missing:
-                what = "its next write position" if first_position == last_position else (
-                    f"its tokens at positions {first_position}..{last_position}"
-                )
-                problems.append(
-                    f"slot {slot} is running but has no block in column(s) {missing} for {what} "
-                    f"(seq_lens_decoder={first_position}, seq_lens_this_time={int(seq_lens_this_time[slot])}, "
-                    f"seq_lens_encoder={int(seq_lens_encoder[slot])})"
-                )
-
+        num_blocks = max(free_list.size, largest_id + 1)
+    problems = [
+        *_check_lengths_and_lists(flat, block_tables.shape[0], after_step),
+        *_check_block_ids(block_tables, pool, num_blocks, decoder_blocks),
+        *_check_slot_tables(flat, block_tables, block_size, after_step),
+    ]
     if problems:
         raise StateError(problems)

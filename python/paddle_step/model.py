@@ -52,11 +52,13 @@ class ModelConfig:
             raise ValueError(f"dtype must be 'float32' or 'float64', got {self.dtype!r}")
         if self.hidden_size % self.num_heads:
             raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})"
+                f"hidden_size ({self.hidden_size}) must be a multiple of num_heads "
+                f"({self.num_heads})"
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embedding")
@@ -124,7 +126,8 @@ class PagedKVCache:
         paddle.index_put_(self.value, (layer_index, kept_slots), paddle.gather(v, kept))
 
     def gather(self, layer: int, slots: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """K and V at ``slots`` (any shape, all >= 0): each ``slots.shape + [kv_heads, head_dim]``."""
+        """K and V at ``slots`` (any shape, all >= 0): each
+        ``slots.shape + [kv_heads, head_dim]``."""
         flat = slots.flatten()
         tail = list(self.key.shape[2:])
         k = paddle.gather(self.key[layer], flat).reshape([*slots.shape, *tail])
@@ -373,7 +376,9 @@ class TinyLlama(nn.Layer):
             length = ids.shape[0]
             causal = paddle.tril(paddle.ones([length, length], dtype="bool"))
 
-            def self_attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> paddle.Tensor:
+            def self_attention(
+                q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor
+            ) -> paddle.Tensor:
                 return self._grouped_attention(
                     q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal
                 ).squeeze(0)

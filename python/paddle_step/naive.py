@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import paddle
 
-from .engine import FINISH_EOS, FINISH_LENGTH, GenerationResult, GenerationStats
 from .model import TinyLlama
 from .sampling import sample_tokens, sampling_uniforms
+from .sequence import FINISH_EOS, FINISH_LENGTH, GenerationResult, GenerationStats
 
 __all__ = ["generate_naive"]
 
@@ -41,8 +41,11 @@ def generate_naive(
     the stats (no cache: preemptions, recoveries and blocks are 0).
     """
     count = len(prompts)
-    limits = ([int(max_new_tokens)] * count if isinstance(max_new_tokens, (int, np.integer))
-              else [int(limit) for limit in max_new_tokens])
+    limits = (
+        [int(max_new_tokens)] * count
+        if isinstance(max_new_tokens, (int, np.integer))
+        else [int(limit) for limit in max_new_tokens]
+    )
     if len(limits) != count:
         raise ValueError(
             f"generate_naive: argument 'max_new_tokens': expected one int or {count} "
@@ -87,7 +90,5 @@ def generate_naive(
         active = still_active
 
     stats.elapsed = time.perf_counter() - started
-    results = [
-        GenerationResult(i, prompts[i], generated[i], reasons[i]) for i in range(count)
-    ]
+    results = [GenerationResult(i, prompts[i], generated[i], reasons[i]) for i in range(count)]
     return results, stats

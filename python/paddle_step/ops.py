@@ -8,24 +8,13 @@ registered ``static_op_*`` op to the program. Both run the same kernels.
 
 from __future__ import annotations
 
-import warnings
-
 import paddle
 
-with warnings.catch_warnings():
-    # Paddle's generated loader warns about ccache on every import: a build
-    # concern, not a user's.
-    warnings.filterwarnings("ignore", message="No ccache found")
-    import paddle_step_ops as _library
+import paddle_step_ops as _library
 
-from .check_state import STEP_PADDLE_TENSORS
+from .tensor_table import STEP_PADDLE_OUTPUTS, STEP_PADDLE_TENSORS
 
 _in_dynamic_mode = paddle.in_dynamic_mode
-# The inputs step_paddle writes, in the order of its outputs.
-STEP_PADDLE_OUTPUTS = tuple(
-    name for name in STEP_PADDLE_TENSORS
-    if name not in ("ori_seq_lens_encoder", "pre_ids", "step_idx", "next_tokens")
-)
 
 
 def _describe(tensors):
@@ -44,60 +33,65 @@ def _write_back(targets, results):
         paddle.assign(result, output=target)
 
 
-def step_paddle(stop_flags, seq_lens_this_time, ori_seq_lens_encoder,
-                seq_lens_encoder, seq_lens_decoder, block_tables,
-                encoder_block_lens, is_block_step, step_block_list, step_lens,
-                recover_block_list, recover_lens, need_block_list,
-                need_block_len, used_list_len, free_list, free_list_len,
-                input_ids, pre_ids, step_idx, next_tokens, first_token_ids,
-                block_size, encoder_decoder_block_num):
-    """One KV-block scheduling step, in place (see SPEC.md, step_paddle).
+# The ops' argument lists stay packed (fmt: off): one name per line would spread each op's
+# three lists of the same names over 80 lines.
+
+
+# fmt: off
+def step_paddle(stop_flags, seq_lens_this_time, ori_seq_lens_encoder, seq_lens_encoder,
+                seq_lens_decoder, block_tables, encoder_block_lens, is_block_step,
+                step_block_list, step_lens, recover_block_list, recover_lens, need_block_list,
+                need_block_len, used_list_len, free_list, free_list_len, input_ids, pre_ids,
+                step_idx, next_tokens, first_token_ids, block_size, encoder_decoder_block_num):
+    """One KV-block scheduling step, in place (docs/SPEC.md, step_paddle).
 
     Arguments are FastDeploy's, in FastDeploy's order. Returns None.
     """
     if _in_dynamic_mode():
+        # The arguments passed as they came: no tuple on the hot path.
         _library.step_paddle(
             stop_flags, seq_lens_this_time, ori_seq_lens_encoder, seq_lens_encoder,
-            seq_lens_decoder, block_tables, encoder_block_lens, is_block_step,
-            step_block_list, step_lens, recover_block_list, recover_lens,
-            need_block_list, need_block_len, used_list_len, free_list, free_list_len,
-            input_ids, pre_ids, step_idx, next_tokens, first_token_ids, block_size,
-            encoder_decoder_block_num)
+            seq_lens_decoder, block_tables, encoder_block_lens, is_block_step, step_block_list,
+            step_lens, recover_block_list, recover_lens, need_block_list, need_block_len,
+            used_list_len, free_list, free_list_len, input_ids, pre_ids, step_idx, next_tokens,
+            first_token_ids, block_size, encoder_decoder_block_num)
         return None
-    tensors = (stop_flags, seq_lens_this_time, ori_seq_lens_encoder,
-               seq_lens_encoder, seq_lens_decoder, block_tables,
-               encoder_block_lens, is_block_step, step_block_list, step_lens,
-               recover_block_list, recover_lens, need_block_list,
-               need_block_len, used_list_len, free_list, free_list_len,
-               input_ids, pre_ids, step_idx, next_tokens, first_token_ids)
+    tensors = (stop_flags, seq_lens_this_time, ori_seq_lens_encoder, seq_lens_encoder,
+               seq_lens_decoder, block_tables, encoder_block_lens, is_block_step,
+               step_block_list, step_lens, recover_block_list, recover_lens, need_block_list,
+               need_block_len, used_list_len, free_list, free_list_len, input_ids, pre_ids,
+               step_idx, next_tokens, first_token_ids)
+    # fmt: on
     _library.check_step_paddle(_describe(tensors), int(block_size))
     results = _library.static_op_step_paddle(
-        *tensors, int(block_size), int(encoder_decoder_block_num))
+        *tensors, int(block_size), int(encoder_decoder_block_num)
+    )
     by_name = dict(zip(STEP_PADDLE_TENSORS, tensors))
     _write_back([by_name[name] for name in STEP_PADDLE_OUTPUTS], results)
     return None
 
 
-def advance_step(input_tokens, sampled_token_ids, input_positions, seq_lens,
-                 slot_mapping, block_tables, num_seqs, num_queries, block_size,
-                 *, active=None):
-    """Advances the next decode inputs in place (see SPEC.md, advance_step).
+# fmt: off
+def advance_step(input_tokens, sampled_token_ids, input_positions, seq_lens, slot_mapping,
+                 block_tables, num_seqs, num_queries, block_size, *, active=None):
+    """Advances the next decode inputs in place (docs/SPEC.md, advance_step).
 
     Rows ``i < num_queries`` with ``active[i]`` (when given) get the sampled
     token, their position, ``seq_lens + 1`` and their KV slot; the other rows
     are padding (token 0, position 0, slot -1). Returns None.
     """
     if _in_dynamic_mode():
-        _library.advance_step(input_tokens, sampled_token_ids, input_positions,
-                              seq_lens, slot_mapping, block_tables, active,
-                              num_seqs, num_queries, block_size)
+        _library.advance_step(input_tokens, sampled_token_ids, input_positions, seq_lens,
+                              slot_mapping, block_tables, active, num_seqs, num_queries,
+                              block_size)
         return None
-    tensors = (input_tokens, sampled_token_ids, input_positions, seq_lens,
-               slot_mapping, block_tables)
+    tensors = (input_tokens, sampled_token_ids, input_positions, seq_lens, slot_mapping,
+               block_tables)
+    # fmt: on
     described = _describe(tensors if active is None else tensors + (active,))
-    _library.check_advance_step(described, int(num_seqs), int(num_queries),
-                                int(block_size))
+    _library.check_advance_step(described, int(num_seqs), int(num_queries), int(block_size))
     results = _library.static_op_advance_step(
-        *tensors, active, int(num_seqs), int(num_queries), int(block_size))
+        *tensors, active, int(num_seqs), int(num_queries), int(block_size)
+    )
     _write_back((input_tokens, input_positions, seq_lens, slot_mapping), results)
     return None

@@ -16,8 +16,9 @@ __all__ = ["sample_tokens", "sampling_uniforms"]
 
 # paddle 2.6's argsort has no `stable`; its CPU sort is deterministic per row
 # all the same, which is what keeps engine and naive draws equal.
-_ARGSORT_OPTIONS = ({"stable": True} if "stable" in inspect.signature(paddle.argsort).parameters
-                    else {})
+_ARGSORT_OPTIONS = (
+    {"stable": True} if "stable" in inspect.signature(paddle.argsort).parameters else {}
+)
 
 _MASK64 = (1 << 64) - 1
 

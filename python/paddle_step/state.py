@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
-from .check_state import STEP_PADDLE_TENSORS, check_state
+from .check_state import check_state
+from .tensor_table import STEP_PADDLE_TENSORS
 
 __all__ = ["EngineConfig", "ShareInputs"]
 
@@ -109,8 +110,9 @@ class EngineConfig:
 
     def encoder_blocks_for(self, prompt_len: int) -> int:
         """Blocks a prompt of ``prompt_len`` tokens takes at admission."""
-        return min(math.ceil(prompt_len / self.block_size) + self.enc_dec_block_num,
-                   self.blocks_per_seq)
+        return min(
+            math.ceil(prompt_len / self.block_size) + self.enc_dec_block_num, self.blocks_per_seq
+        )
 
 
 class ShareInputs:
@@ -191,5 +193,9 @@ class ShareInputs:
         """``check_state`` on this state (raises ``StateError`` listing every
         violation), knowing the block-id layout: decoder blocks are the top ids."""
         config = self.config
-        check_state(self.step_tensors(), config.block_size, num_blocks=config.num_kv_blocks,
-                    decoder_blocks=range(config.num_encoder_blocks, config.num_kv_blocks))
+        check_state(
+            self.step_tensors(),
+            config.block_size,
+            num_blocks=config.num_kv_blocks,
+            decoder_blocks=range(config.num_encoder_blocks, config.num_kv_blocks),
+        )

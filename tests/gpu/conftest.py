@@ -14,56 +14,40 @@ here imports CuPy or PyTorch at import time.
 from __future__ import annotations
 
 import ctypes
-import importlib
 import statistics
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+# NumPy only: found through PYTHONPATH=python (tests/gpu/Makefile) or an install.
+from paddle_step.tensor_table import STEP_PADDLE_DTYPES, STEP_PADDLE_TABLE, STEP_PADDLE_TENSORS
+from paddle_step.testing.advance_step_cases import ADVANCE_STEP_OUTPUTS
+
 REPO = Path(__file__).resolve().parents[2]
 LIBRARY = REPO / "tests" / "gpu" / "build" / "libpaddle_step_gpu_test.so"
-
-
-def _import_references():
-    """Imports tests/ref_step_paddle.py (and so fake_decode_loop.py).
-
-    Its tensor names come from paddle_step.check_state, which needs only NumPy
-    (the package loads paddle and the compiled op lazily). On a GPU machine
-    where the package is not installed, it is taken from python/."""
-    try:
-        importlib.import_module("paddle_step.check_state")
-    except ImportError:
-        sys.path.insert(0, str(REPO / "python"))
-    return importlib.import_module("ref_step_paddle")
-
-
-try:
-    STEP_PADDLE_TENSORS = _import_references().STEP_PADDLE_TENSORS
-    REFERENCES_ERROR = None
-except Exception as error:  # noqa: BLE001  the gpu fixture skips with it
-    STEP_PADDLE_TENSORS = ()
-    REFERENCES_ERROR = f"tests/ref_step_paddle.py does not import: {error!r}"
-
-# SPEC's dtypes of the 22 step_paddle tensors.
-STEP_PADDLE_DTYPES = {
-    name: np.dtype(np.bool_) if name in ("stop_flags", "is_block_step")
-    else np.dtype(np.int64) if name in ("input_ids", "pre_ids", "step_idx", "next_tokens",
-                                        "first_token_ids")
-    else np.dtype(np.int32)
-    for name in STEP_PADDLE_TENSORS
-}
-LENGTH_ONE = ("step_lens", "recover_lens", "need_block_len", "free_list_len")
-ADVANCE_STEP_OUTPUTS = ("input_tokens", "input_positions", "seq_lens", "slot_mapping")
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _SIGNATURES = {
     # name: (argtypes); every function returns a cudaError_t as int
-    "paddle_step_advance_step": [_P, _P, _P, _P, ctypes.c_int, _P, _P, ctypes.c_int, _P,
-                                 _I64, _I64, _I64, _I64, _P],
+    "paddle_step_advance_step": [
+        _P,
+        _P,
+        _P,
+        _P,
+        ctypes.c_int,
+        _P,
+        _P,
+        ctypes.c_int,
+        _P,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _P,
+    ],
     "paddle_step_step_paddle": [ctypes.POINTER(_P), _I64, _I64, _I64, _I64, _I64, _I64, _P],
     "paddle_step_step_paddle_tensor_count": [],
     "paddle_step_device_count": [ctypes.POINTER(ctypes.c_int)],
@@ -95,6 +79,7 @@ def load_library(path: Path = LIBRARY) -> ctypes.CDLL:
 
 
 # ---- Array backends: allocation and host<->device copies only. -------------
+
 
 class CupyBackend:
     name = "cupy"
@@ -138,11 +123,13 @@ def import_backend():
     """CuPy, else PyTorch with CUDA; None when neither is usable."""
     try:
         import cupy
+
         return CupyBackend(cupy)
     except Exception:  # noqa: BLE001  not installed, or no CUDA runtime for it
         pass
     try:
         import torch
+
         if torch.cuda.is_available():
             return TorchBackend(torch)
     except Exception:  # noqa: BLE001
@@ -151,6 +138,7 @@ def import_backend():
 
 
 # ---- The harness. ---------------------------------------------------------
+
 
 class GpuHarness:
     """Device buffers for the ops' tensors and the library's launchers.
@@ -203,8 +191,9 @@ class GpuHarness:
 
     # -- advance_step
 
-    def launch_advance_step(self, buffers: dict, num_seqs: int, num_queries: int,
-                            block_size: int, stream=None):
+    def launch_advance_step(
+        self, buffers: dict, num_seqs: int, num_queries: int, block_size: int, stream=None
+    ):
         """Launches on `stream` (default: the harness's); `buffers` holds the six
         tensors of advance_step, plus "active" when given."""
         seq_lens, tables = buffers["seq_lens"], buffers["block_tables"]
@@ -222,12 +211,21 @@ class GpuHarness:
         if active is not None:
             assert tuple(active.shape) == (num_seqs,) and _dtype(active) == np.bool_
         status = self.lib.paddle_step_advance_step(
-            self.pointer(buffers["input_tokens"]), self.pointer(sampled),
-            self.pointer(buffers["input_positions"]), self.pointer(seq_lens), seq_lens_bits,
-            self.pointer(buffers["slot_mapping"]), self.pointer(tables), tables_bits,
+            self.pointer(buffers["input_tokens"]),
+            self.pointer(sampled),
+            self.pointer(buffers["input_positions"]),
+            self.pointer(seq_lens),
+            seq_lens_bits,
+            self.pointer(buffers["slot_mapping"]),
+            self.pointer(tables),
+            tables_bits,
             None if active is None else self.pointer(active),
-            num_seqs, num_queries, int(tables.shape[1]), block_size,
-            self.stream if stream is None else stream)
+            num_seqs,
+            num_queries,
+            int(tables.shape[1]),
+            block_size,
+            self.stream if stream is None else stream,
+        )
         self.check(status, "paddle_step_advance_step")
 
     def run_advance_step(self, case: dict, active, num_seqs, num_queries, block_size):
@@ -247,22 +245,29 @@ class GpuHarness:
             assert _dtype(buffers[name]) == STEP_PADDLE_DTYPES[name], name
         shape = {name: tuple(buffers[name].shape) for name in STEP_PADDLE_TENSORS}
         batch = shape["stop_flags"][0]
-        for name in STEP_PADDLE_TENSORS:
-            if name in ("block_tables", "input_ids", "pre_ids"):
-                assert len(shape[name]) == 2 and shape[name][0] == batch, (name, shape[name])
-            elif name in LENGTH_ONE:
-                assert shape[name] == (1,), (name, shape[name])
-            elif name == "free_list":
-                assert len(shape[name]) == 1, (name, shape[name])
-            else:
-                assert shape[name] in ((batch,), (batch, 1)), (name, shape[name])
+        allowed = {
+            "[B]": lambda s: s == (batch,),
+            "[B or B,1]": lambda s: s in ((batch,), (batch, 1)),
+            "[N]": lambda s: len(s) == 1,
+            "[1]": lambda s: s == (1,),
+        }
+        for spec in STEP_PADDLE_TABLE:
+            # [B,M], [B,L], [B,P]: two dimensions, B rows.
+            fits = allowed.get(spec.shape, lambda s: len(s) == 2 and s[0] == batch)
+            assert fits(shape[spec.name]), (spec.name, spec.shape, shape[spec.name])
         count = self.lib.paddle_step_step_paddle_tensor_count()
         assert count == len(STEP_PADDLE_TENSORS)
         pointers = (_P * count)(*(self.pointer(buffers[name]) for name in STEP_PADDLE_TENSORS))
         status = self.lib.paddle_step_step_paddle(
-            pointers, batch, shape["block_tables"][1], shape["free_list"][0],
-            shape["input_ids"][1], shape["pre_ids"][1], block_size,
-            self.stream if stream is None else stream)
+            pointers,
+            batch,
+            shape["block_tables"][1],
+            shape["free_list"][0],
+            shape["input_ids"][1],
+            shape["pre_ids"][1],
+            block_size,
+            self.stream if stream is None else stream,
+        )
         self.check(status, "paddle_step_step_paddle")
 
     def run_step_paddle(self, state: dict, block_size: int) -> dict:
@@ -283,16 +288,20 @@ class GpuHarness:
             launch(self.stream)
         finally:
             exec_handle, nodes = _P(), _I64()
-            status = self.lib.paddle_step_capture_end(self.stream, ctypes.byref(exec_handle),
-                                                      ctypes.byref(nodes))
+            status = self.lib.paddle_step_capture_end(
+                self.stream, ctypes.byref(exec_handle), ctypes.byref(nodes)
+            )
         self.check(status, "cudaStreamEndCapture / cudaGraphInstantiate")
         assert nodes.value >= 1, "the capture recorded no kernel"
 
         def replay():
-            self.check(self.lib.paddle_step_graph_launch(exec_handle, self.stream),
-                       "cudaGraphLaunch")
-            self.check(self.lib.paddle_step_stream_synchronize(self.stream),
-                       "cudaStreamSynchronize after the graph")
+            self.check(
+                self.lib.paddle_step_graph_launch(exec_handle, self.stream), "cudaGraphLaunch"
+            )
+            self.check(
+                self.lib.paddle_step_stream_synchronize(self.stream),
+                "cudaStreamSynchronize after the graph",
+            )
 
         try:
             yield replay
@@ -315,8 +324,10 @@ class GpuHarness:
                 launch(self.stream)
                 self.check(self.lib.paddle_step_event_record(end, self.stream), "cudaEventRecord")
                 elapsed = ctypes.c_float()
-                self.check(self.lib.paddle_step_event_elapsed_ms(start, end, ctypes.byref(elapsed)),
-                           "cudaEventElapsedTime")
+                self.check(
+                    self.lib.paddle_step_event_elapsed_ms(start, end, ctypes.byref(elapsed)),
+                    "cudaEventElapsedTime",
+                )
                 times.append(elapsed.value)
         finally:
             self.lib.paddle_step_event_destroy(start)
@@ -339,11 +350,8 @@ def _bits(buffer) -> int:
 
 @pytest.fixture(scope="session")
 def gpu():
-    if REFERENCES_ERROR:
-        pytest.skip(REFERENCES_ERROR)
     if not LIBRARY.exists():
-        pytest.skip(f"{LIBRARY} is not built "
-                    "(make gpu-test, or make -C tests/gpu build)")
+        pytest.skip(f"{LIBRARY} is not built (make gpu-test, or make -C tests/gpu build)")
     try:
         lib = load_library(LIBRARY)
     except (OSError, AttributeError) as error:  # not loadable, or built from older sources
@@ -355,8 +363,9 @@ def gpu():
         pytest.skip(f"no CUDA device visible (cudaGetDeviceCount: {reason})")
     backend = import_backend()
     if backend is None:
-        pytest.skip("neither CuPy nor PyTorch with CUDA is importable (device arrays "
-                    "come from one of them)")
+        pytest.skip(
+            "neither CuPy nor PyTorch with CUDA is importable (device arrays come from one of them)"
+        )
     harness = GpuHarness(lib, backend)
     print(f"\n[tests/gpu] backend {backend.name}, {count.value} CUDA device(s)")
     yield harness

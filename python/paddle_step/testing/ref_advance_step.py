@@ -1,11 +1,13 @@
-"""Plain NumPy reference of SPEC.md's advance_step, one row at a time."""
+"""Plain NumPy reference of ``advance_step`` (docs/SPEC.md), one row at a time."""
 
 import numpy as np
 
 
-def ref_advance_step(input_tokens, sampled_token_ids, input_positions, seq_lens,
-                     slot_mapping, block_tables, num_seqs, num_queries,
-                     block_size, active=None):
+# The op's argument list, packed as in paddle_step.ops.
+# fmt: off
+def ref_advance_step(input_tokens, sampled_token_ids, input_positions, seq_lens, slot_mapping,
+                     block_tables, num_seqs, num_queries, block_size, active=None):
+    # fmt: on
     """Returns new (input_tokens, input_positions, seq_lens, slot_mapping)."""
     input_tokens = np.array(input_tokens, copy=True)
     input_positions = np.array(input_positions, copy=True)

@@ -1,4 +1,4 @@
-"""Sequential NumPy reference of SPEC's ``step_paddle`` (/work/shared/SPEC.md).
+"""Sequential NumPy reference of ``step_paddle`` as docs/SPEC.md states it.
 
 Written for clarity, not speed: one slot at a time, in the order SPEC fixes, so
 that every build of the op can be compared with it byte for byte.
@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from paddle_step.check_state import STEP_PADDLE_TENSORS  # SPEC's 22 names, in order
+from ..tensor_table import STEP_PADDLE_TENSORS
 
 
 def c_div(numerator: int, denominator: int) -> int:
@@ -229,7 +229,9 @@ def ref_step_paddle(
             input_ids[slot, 0] = first_token_ids[slot]
         # input_ids[slot, prompt_len + i] = pre_ids[slot, i + 1] for i < steps - 1;
         # the range keeps both positions inside their rows.
-        for i in range(max(0, -prompt_len), min(steps - 1, pre_ids_len - 1, input_len - prompt_len)):
+        for i in range(
+            max(0, -prompt_len), min(steps - 1, pre_ids_len - 1, input_len - prompt_len)
+        ):
             input_ids[slot, prompt_len + i] = pre_ids[slot, i + 1]
         last_position = prompt_len + steps - 1
         if 0 <= last_position < input_len:

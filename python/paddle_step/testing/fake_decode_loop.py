@@ -24,24 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ref_step_paddle import STEP_PADDLE_TENSORS
+from ..tensor_table import STEP_PADDLE_TABLE, STEP_PADDLE_TENSORS, names_of_kind
 
-# Tensors SPEC allows as [B] or [B, 1]; is_block_step is always [B].
-COLUMN_CAPABLE = (
-    "stop_flags",
-    "seq_lens_this_time",
-    "ori_seq_lens_encoder",
-    "seq_lens_encoder",
-    "seq_lens_decoder",
-    "encoder_block_lens",
-    "used_list_len",
-    "step_block_list",
-    "recover_block_list",
-    "need_block_list",
-    "step_idx",
-    "next_tokens",
-    "first_token_ids",
-)
+# Tensors SPEC allows as [B] or [B, 1]; stopped_shape="[B,1]" gives them that shape.
+COLUMN_CAPABLE = names_of_kind("[B or B,1]")
 STOPPED_SHAPES = ("[B]", "[B,1]")
 VOCAB_SIZE = 50_000
 
@@ -97,27 +83,31 @@ def make_state(
     _check_stopped_shape(stopped_shape)
     free_list = list(free_list)
     size = free_list_size if free_list_size is not None else max(len(free_list), 1)
-    pool = np.full(size, -1, np.int32)
-    pool[: len(free_list)] = free_list
-    flat = {
-        "stop_flags": np.ones(batch_size, np.bool_),
-        "is_block_step": np.zeros(batch_size, np.bool_),
-        "block_tables": np.full((batch_size, blocks_per_seq), -1, np.int32),
-        "free_list": pool,
-        "free_list_len": np.array([len(free_list) if free_list_len is None else free_list_len], np.int32),
-        "input_ids": np.zeros((batch_size, max_model_len), np.int64),
-        "pre_ids": np.full((batch_size, pre_ids_len or max_model_len), -1, np.int64),
-        "step_idx": np.zeros(batch_size, np.int64),
-        "next_tokens": np.full(batch_size, -1, np.int64),
-        "first_token_ids": np.full(batch_size, -1, np.int64),
+    shapes = {
+        "[B]": (batch_size,),
+        "[B or B,1]": (batch_size,),
+        "[B,M]": (batch_size, blocks_per_seq),
+        "[N]": (size,),
+        "[1]": (1,),
+        "[B,L]": (batch_size, max_model_len),
+        "[B,P]": (batch_size, pre_ids_len or max_model_len),
     }
-    for name in ("seq_lens_this_time", "ori_seq_lens_encoder", "seq_lens_encoder",
-                 "seq_lens_decoder", "encoder_block_lens", "used_list_len"):
-        flat[name] = np.zeros(batch_size, np.int32)
-    for name in ("step_block_list", "recover_block_list", "need_block_list"):
-        flat[name] = np.full(batch_size, -1, np.int32)
-    for name in ("step_lens", "recover_lens", "need_block_len"):
-        flat[name] = np.zeros(1, np.int32)
+    flat = {spec.name: np.zeros(shapes[spec.shape], spec.dtype) for spec in STEP_PADDLE_TABLE}
+    # An empty slot is stopped and holds nothing: -1 marks "no block / no entry / no token".
+    flat["stop_flags"][:] = True
+    for name in (
+        "block_tables",
+        "step_block_list",
+        "recover_block_list",
+        "need_block_list",
+        "free_list",
+        "pre_ids",
+        "next_tokens",
+        "first_token_ids",
+    ):
+        flat[name][:] = -1
+    flat["free_list"][: len(free_list)] = free_list
+    flat["free_list_len"][0] = len(free_list) if free_list_len is None else free_list_len
     return _shaped(flat, stopped_shape)
 
 
@@ -151,13 +141,14 @@ def add_running(
     in its cache and writes position ``seq_lens_decoder`` next."""
     if seq_lens_decoder < prompt_len:
         raise ValueError(
-            f"argument 'seq_lens_decoder': expected >= prompt_len ({prompt_len}), got {seq_lens_decoder}"
+            f"argument 'seq_lens_decoder': expected >= prompt_len ({prompt_len}), "
+            f"got {seq_lens_decoder}"
         )
     flat = {name: state[name].reshape(-1) for name in COLUMN_CAPABLE + ("is_block_step",)}
     row = state["block_tables"][slot]
     row[:] = -1
     row[: len(encoder_blocks)] = encoder_blocks
-    row[len(encoder_blocks): len(encoder_blocks) + len(decoder_blocks)] = decoder_blocks
+    row[len(encoder_blocks) : len(encoder_blocks) + len(decoder_blocks)] = decoder_blocks
     flat["stop_flags"][slot] = False
     flat["is_block_step"][slot] = False
     flat["seq_lens_this_time"][slot] = 1
@@ -244,10 +235,14 @@ class FakeDecodeLoop:
         stopped_shape: str = "[B]",
     ):
         _check_stopped_shape(stopped_shape)
-        for name, value in (("batch_size", batch_size), ("max_model_len", max_model_len),
-                            ("block_size", block_size), ("blocks_per_seq", blocks_per_seq),
-                            ("num_decoder_blocks", num_decoder_blocks),
-                            ("num_encoder_blocks", num_encoder_blocks)):
+        for name, value in (
+            ("batch_size", batch_size),
+            ("max_model_len", max_model_len),
+            ("block_size", block_size),
+            ("blocks_per_seq", blocks_per_seq),
+            ("num_decoder_blocks", num_decoder_blocks),
+            ("num_encoder_blocks", num_encoder_blocks),
+        ):
             if value <= 0:
                 raise ValueError(f"argument '{name}': expected > 0, got {value}")
         self.batch_size = batch_size
@@ -291,8 +286,12 @@ class FakeDecodeLoop:
 
         self.num_blocks = num_encoder_blocks + num_decoder_blocks
         self.decoder_block_ids = frozenset(range(num_encoder_blocks, self.num_blocks))
-        self._host_free_blocks = list(range(num_encoder_blocks - 1, -1, -1))  # pop() gives the lowest
-        self._slot_encoder_blocks: list[list[int] | None] = [None] * batch_size  # None: slot is free
+        self._host_free_blocks = list(
+            range(num_encoder_blocks - 1, -1, -1)
+        )  # pop() gives the lowest
+        self._slot_encoder_blocks: list[list[int] | None] = [
+            None
+        ] * batch_size  # None: slot is free
         self._waiting: deque[_Request] = deque()
         self._requests_created = 0
         self._requests: list[_Request | None] = [None] * batch_size
@@ -301,10 +300,16 @@ class FakeDecodeLoop:
         self._token_count = np.zeros(batch_size, np.int64)
         self._kv_cache = np.full((self.num_blocks, block_size), -1, np.int64)
 
-        flat = make_state(batch_size, blocks_per_seq, max_model_len,
-                          free_list=list(range(self.num_blocks - 1, num_encoder_blocks - 1, -1)))
-        self._flat = {name: array.reshape(-1) if name in COLUMN_CAPABLE else array
-                      for name, array in flat.items()}
+        flat = make_state(
+            batch_size,
+            blocks_per_seq,
+            max_model_len,
+            free_list=list(range(self.num_blocks - 1, num_encoder_blocks - 1, -1)),
+        )
+        self._flat = {
+            name: array.reshape(-1) if name in COLUMN_CAPABLE else array
+            for name, array in flat.items()
+        }
         self._op_input: dict[str, np.ndarray] | None = None  # what the op was last given
 
         self.preemptions = 0
@@ -347,13 +352,18 @@ class FakeDecodeLoop:
         missing = [name for name in STEP_PADDLE_TENSORS if name not in new_state]
         if missing:
             raise ValueError(f"argument 'new_state': missing tensors {missing}")
-        before = {name: array.reshape(-1) if name in COLUMN_CAPABLE else array
-                  for name, array in self._op_input.items()}
+        before = {
+            name: array.reshape(-1) if name in COLUMN_CAPABLE else array
+            for name, array in self._op_input.items()
+        }
         after = {}
         for name in STEP_PADDLE_TENSORS:
             value = new_state[name]
             array = np.array(value.numpy() if hasattr(value, "numpy") else value, copy=True)
-            if array.shape != self._op_input[name].shape or array.dtype != self._op_input[name].dtype:
+            if (
+                array.shape != self._op_input[name].shape
+                or array.dtype != self._op_input[name].dtype
+            ):
                 raise ValueError(
                     f"argument 'new_state': {name} expected {self._op_input[name].dtype} "
                     f"{list(self._op_input[name].shape)}, got {array.dtype} {list(array.shape)}"
@@ -402,7 +412,11 @@ class FakeDecodeLoop:
         flat = self._flat
         for slot in range(self.batch_size):
             encoder_blocks = self._slot_encoder_blocks[slot]
-            if encoder_blocks is None or not flat["stop_flags"][slot] or flat["is_block_step"][slot]:
+            if (
+                encoder_blocks is None
+                or not flat["stop_flags"][slot]
+                or flat["is_block_step"][slot]
+            ):
                 continue
             row = flat["block_tables"][slot]
             expected_row = np.full(self.blocks_per_seq, -1, np.int32)
@@ -423,11 +437,17 @@ class FakeDecodeLoop:
     def _arrive(self) -> None:
         arrivals = self.rng.binomial(self.batch_size, self.arrival_prob)
         for _ in range(min(arrivals, self.num_requests - self._requests_created)):
-            prompt_len = int(self.rng.integers(self.prompt_len_range[0], self.prompt_len_range[1] + 1))
-            self._waiting.append(_Request(
-                prompt=self.rng.integers(1, VOCAB_SIZE, prompt_len, dtype=np.int64),
-                max_new_tokens=int(self.rng.integers(self.output_len_range[0], self.output_len_range[1] + 1)),
-            ))
+            prompt_len = int(
+                self.rng.integers(self.prompt_len_range[0], self.prompt_len_range[1] + 1)
+            )
+            self._waiting.append(
+                _Request(
+                    prompt=self.rng.integers(1, VOCAB_SIZE, prompt_len, dtype=np.int64),
+                    max_new_tokens=int(
+                        self.rng.integers(self.output_len_range[0], self.output_len_range[1] + 1)
+                    ),
+                )
+            )
             self._requests_created += 1
 
     def _admit(self) -> None:
@@ -479,13 +499,15 @@ class FakeDecodeLoop:
             if start != 0 or fed_count != tokens_so_far or not np.array_equal(fed, history):
                 raise FakeLoopError(
                     f"slot {slot}: prefill feeds input_ids[:{fed_count}] = {fed.tolist()} from "
-                    f"position {start}, expected its {tokens_so_far} tokens {history.tolist()} from 0"
+                    f"position {start}, expected its {tokens_so_far} tokens {history.tolist()} "
+                    "from 0"
                 )
         else:  # decode: the last sampled token
             fed = flat["input_ids"][slot, :1]
             if fed_count != 1 or start != tokens_so_far - 1 or fed[0] != history[-1]:
                 raise FakeLoopError(
-                    f"slot {slot}: decode feeds token {int(fed[0])} x{fed_count} at position {start}, "
+                    f"slot {slot}: decode feeds token {int(fed[0])} x{fed_count} at position "
+                    f"{start}, "
                     f"expected token {int(history[-1])} x1 at position {tokens_so_far - 1}"
                 )
         positions = np.arange(start + fed_count)
@@ -502,8 +524,9 @@ class FakeDecodeLoop:
         if not np.array_equal(seen, history):
             wrong = int(np.flatnonzero(seen != history)[0])
             raise FakeLoopError(
-                f"slot {slot}: KV cache at position {wrong} (block {int(blocks[wrong])}) holds token "
-                f"{int(seen[wrong])}, expected {int(history[wrong])}: a block is shared or was lost"
+                f"slot {slot}: KV cache at position {wrong} (block {int(blocks[wrong])}) holds "
+                f"token {int(seen[wrong])}, expected {int(history[wrong])}: a block is shared "
+                "or was lost"
             )
 
     def _post_process(self, slot: int) -> None:
@@ -525,9 +548,11 @@ class FakeDecodeLoop:
         self._token_count[slot] += 1
 
         request = self._requests[slot]
-        if (self.rng.random() < self.stop_prob
-                or step_idx >= request.max_new_tokens
-                or self._token_count[slot] >= self.max_tokens):
+        if (
+            self.rng.random() < self.stop_prob
+            or step_idx >= request.max_new_tokens
+            or self._token_count[slot] >= self.max_tokens
+        ):
             flat["stop_flags"][slot] = True
             flat["seq_lens_this_time"][slot] = 0
             flat["seq_lens_decoder"][slot] = 0
@@ -545,4 +570,6 @@ class FakeDecodeLoop:
         self.preemptions += int(preempted.sum())
         self.shortfalls += int((preempted & (before["used_list_len"] == 0)).sum())
         self.recoveries += int(recovered.sum())
-        self.table_end_stops += int((running_before & after["stop_flags"] & ~after["is_block_step"]).sum())
+        self.table_end_stops += int(
+            (running_before & after["stop_flags"] & ~after["is_block_step"]).sum()
+        )

@@ -1,0 +1,238 @@
+"""The device side of an engine step, over the slot state (``ShareInputs``) and the paged
+KV cache: writing admitted requests into their slots, the forward pass of every running
+slot, sampling, FastDeploy's ``update_inputs``, the two ops, the one copy back to the
+host, and clearing retired slots. Nothing here decides which request runs where; the
+``Scheduler`` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+
+from .model import PagedKVCache, TinyLlama, build_flat_batch
+from .ops import advance_step, step_paddle
+from .sampling import sample_tokens, sampling_uniforms
+from .sequence import Request
+from .state import EngineConfig, ShareInputs
+
+__all__ = ["ModelRunner", "StepOutcome"]
+
+
+@dataclass
+class StepOutcome:
+    """One step's per-slot results on the host ([B] arrays, then counts)."""
+
+    ran: np.ndarray  # bool: the slot ran (had tokens) this step
+    tokens: np.ndarray  # int64: the token it sampled
+    stopped: np.ndarray  # bool: stop_flags after the step
+    preempted: np.ndarray  # bool: is_block_step after the step
+    step_idx: np.ndarray  # int64: tokens generated so far
+    recovered: int  # slots step_paddle recovered this step
+    step_lens: int  # preempted slots waiting for recovery
+    free_list_len: int  # blocks left in the decoder pool
+
+
+class ModelRunner:
+    """Runs ``model`` over the slot state of ``config``'s batch; the state and the KV cache
+    live on Paddle's current device."""
+
+    def __init__(self, model: TinyLlama, config: EngineConfig, seed: int) -> None:
+        self.model = model
+        self.config = config
+        self.seed = seed
+        self.state = ShareInputs(config)
+        self.kv_cache = PagedKVCache.for_config(
+            model.config, config.num_kv_blocks, config.block_size
+        )
+
+    def write_admitted(self, slots: list[int], requests: list[Request]) -> None:
+        """Sets the admitted slots' state as FastDeploy's runner does on insert."""
+        state, config = self.state, self.config
+        count = len(slots)
+        prompt_lens = np.array([len(r.prompt_ids) for r in requests], dtype=np.int32)
+        input_rows = np.zeros((count, config.max_model_len), dtype=np.int64)
+        table_rows = np.full((count, config.blocks_per_seq), -1, dtype=np.int32)
+        for row, request in enumerate(requests):
+            input_rows[row, : len(request.prompt_ids)] = request.prompt_ids
+            table_rows[row, : len(request.encoder_blocks)] = request.encoder_blocks
+
+        index = paddle.to_tensor(np.array(slots, dtype=np.int64), place=state.place)
+
+        def write(tensor: paddle.Tensor, values) -> None:
+            """Rows ``slots`` of ``tensor`` = ``values`` (one per slot, or one for all)."""
+            rows = np.broadcast_to(np.asarray(values), [count, *tensor.shape[1:]])
+            paddle.scatter_(
+                tensor,
+                index,
+                paddle.to_tensor(np.ascontiguousarray(rows), dtype=tensor.dtype, place=state.place),
+            )
+
+        write(state.input_ids, input_rows)
+        for lengths in (
+            state.seq_lens_this_time,
+            state.seq_lens_encoder,
+            state.ori_seq_lens_encoder,
+        ):
+            write(lengths, prompt_lens)
+        write(state.seq_lens_decoder, 0)
+        write(state.step_idx, 0)
+        write(state.first_token_ids, [r.prompt_ids[0] for r in requests])
+        write(state.encoder_block_lens, [len(r.encoder_blocks) for r in requests])
+        write(state.block_tables, table_rows)
+        write(state.used_list_len, 0)
+        write(state.pre_ids, np.full((count, config.max_model_len), -1, dtype=np.int64))
+        write(state.eos_token_id, [r.eos_token_id for r in requests])
+        write(state.max_new_tokens, [r.max_new_tokens for r in requests])
+        write(state.temperature, [r.temperature for r in requests])
+        write(state.top_p, [r.top_p for r in requests])
+        admitted_mask = np.zeros(config.max_batch, dtype=bool)
+        admitted_mask[slots] = True
+        keep_stopped = paddle.to_tensor(~admitted_mask, place=state.place)
+        paddle.assign(paddle.logical_and(state.stop_flags, keep_stopped), output=state.stop_flags)
+
+    def forward(self) -> paddle.Tensor:
+        """Logits [B, vocab] of every running slot's last token this step."""
+        state = self.state
+        batch = build_flat_batch(
+            state.input_ids,
+            state.seq_lens_this_time,
+            state.seq_lens_decoder,
+            state.block_tables,
+            self.config.block_size,
+        )
+        # Decode rows take the token, position and KV slot advance_step prepared.
+        rows = batch["token_rows"]
+        # Gathered as int32: paddle 2.6 has no CPU gather kernel for bool.
+        is_decode = paddle.gather(state.decode_active.astype("int32"), rows) != 0
+        for key, prepared in (
+            ("input_ids", state.input_tokens),
+            ("positions", state.input_positions),
+            ("slot_mapping", state.slot_mapping),
+        ):
+            batch[key] = paddle.where(is_decode, paddle.gather(prepared, rows), batch[key])
+        return self.model.forward_paged(**batch, kv_cache=self.kv_cache)
+
+    def uniforms(self, request_ids: np.ndarray, token_index: np.ndarray) -> paddle.Tensor:
+        """This step's random draw per slot, keyed by request id and token index."""
+        draws = sampling_uniforms(self.seed, request_ids, token_index)
+        return paddle.to_tensor(draws, place=self.state.place)
+
+    def sample(self, logits: paddle.Tensor, uniforms: paddle.Tensor | None) -> paddle.Tensor:
+        """One token per slot, with each slot's temperature and top_p."""
+        state = self.state
+        return sample_tokens(logits, state.temperature, state.top_p, uniforms)
+
+    def update_inputs(self, ran: paddle.Tensor, tokens: paddle.Tensor) -> None:
+        """FastDeploy's update_inputs and stop checks, over the whole batch at once.
+
+        The rows that did not run are the stopped ones (finished, preempted or free):
+        their seq_lens_this_time is 0 and, of what is written here, later steps read only
+        their next_tokens and pre_ids columns >= 1 (a recovery rebuilds its row from
+        those), so only those two keep their values. That saves half the eager ops.
+        """
+        state = self.state
+        ran_count = ran.astype(state.step_idx.dtype)
+        state.step_idx.add_(ran_count)
+        # add_request keeps prompt + max_new_tokens within max_model_len, so this stop
+        # also keeps every pre_ids / input_ids write inside its row.
+        finished = paddle.logical_and(
+            ran, (tokens == state.eos_token_id) | (state.step_idx >= state.max_new_tokens)
+        )
+        # pre_ids[b, step_idx[b]] = token; rows that did not run write column 0, unread.
+        column = (state.step_idx * ran_count).unsqueeze(1)
+        state.pre_ids.put_along_axis_(column, tokens.unsqueeze(1), 1)
+        paddle.assign(paddle.where(ran, tokens, state.next_tokens), output=state.next_tokens)
+        state.input_ids[:, 0] = tokens
+
+        still_running = paddle.logical_and(ran, paddle.logical_not(finished)).astype(
+            state.seq_lens_this_time.dtype
+        )
+        # A row that ran advances by the tokens it ran; a stopped one ends at 0.
+        state.seq_lens_decoder.add_(state.seq_lens_this_time).multiply_(still_running)
+        paddle.assign(still_running, output=state.seq_lens_this_time)
+        state.seq_lens_encoder.zero_()  # prefills are done; recovery sets it after this
+        paddle.assign(paddle.logical_or(state.stop_flags, finished), output=state.stop_flags)
+
+    def schedule_blocks(self) -> None:
+        """``step_paddle``: frees finished slots' decoder blocks, gives every decoding slot
+        the block it writes next, preempts when the pool runs short, recovers."""
+        state = self.state
+        state.recover_block_list.fill_(-1)  # so this call's recoveries can be counted
+        step_paddle(
+            *state.step_tensors().values(), self.config.block_size, self.config.enc_dec_block_num
+        )
+
+    def advance_decode_inputs(self) -> None:
+        """Next step's decode token, position and slot for every running, non-prefill slot."""
+        state = self.state
+        paddle.assign(
+            paddle.logical_and(paddle.logical_not(state.stop_flags), state.seq_lens_encoder == 0),
+            output=state.decode_active,
+        )
+        # A copy, so positions start at the next write position; it ends as context length.
+        paddle.assign(state.seq_lens_decoder, output=state.context_lens)
+        batch = self.config.max_batch
+        advance_step(
+            state.input_tokens,
+            state.next_tokens,
+            state.input_positions,
+            state.context_lens,
+            state.slot_mapping,
+            state.block_tables,
+            batch,
+            batch,
+            self.config.block_size,
+            active=state.decode_active,
+        )
+
+    def sync_host(self, ran: paddle.Tensor, tokens: paddle.Tensor) -> StepOutcome:
+        """This step's per-slot results, copied to the host in one transfer."""
+        state, batch = self.state, self.config.max_batch
+        packed = paddle.concat(
+            [
+                paddle.cast(vector, "int64").reshape([-1])
+                for vector in (
+                    ran,
+                    tokens,
+                    state.stop_flags,
+                    state.is_block_step,
+                    state.step_idx,
+                    state.recover_block_list,
+                    state.step_lens,
+                    state.free_list_len,
+                )
+            ]
+        ).numpy()
+        ran, tokens, stopped, preempted, step_idx, recover_list = (
+            packed[i * batch : (i + 1) * batch] for i in range(6)
+        )
+        step_lens, free_list_len = (int(value) for value in packed[6 * batch :])
+        return StepOutcome(
+            ran != 0,
+            tokens,
+            stopped != 0,
+            preempted != 0,
+            step_idx,
+            int((recover_list >= 0).sum()),
+            step_lens,
+            free_list_len,
+        )
+
+    def clear_slots(self, slots: np.ndarray) -> None:
+        """Drops retired slots' prompt blocks from their tables (step_paddle already
+        took back their decoder blocks)."""
+        state, count = self.state, slots.size
+        index = paddle.to_tensor(slots.astype(np.int64), place=state.place)
+        paddle.scatter_(
+            state.block_tables,
+            index,
+            paddle.full([count, self.config.blocks_per_seq], -1, dtype=state.block_tables.dtype),
+        )
+        paddle.scatter_(
+            state.encoder_block_lens,
+            index,
+            paddle.zeros([count], dtype=state.encoder_block_lens.dtype),
+        )

@@ -1,0 +1,161 @@
+"""The host's side of continuous batching: the waiting queue, admission into free slots
+with their prompt blocks, retirement of finished requests, and host mirrors of the slot
+flags that the device state holds (refreshed once a step by ``record``).
+
+Decoder blocks, preemption and recovery are ``step_paddle``'s work on the device; this
+class only follows them through the mirrors.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .block_allocator import EncoderBlockAllocator
+from .sequence import FINISH_EOS, FINISH_LENGTH, GenerationResult, Request
+from .state import EngineConfig
+
+if TYPE_CHECKING:
+    from .model_runner import StepOutcome
+
+__all__ = ["Scheduler"]
+
+
+class Scheduler:
+    """Which request is in which slot, and which requests wait.
+
+    Slot mirrors: ``live`` (holds a request, running or preempted), ``running`` (not
+    ``stop_flags``), ``preempted`` (``is_block_step``), ``step_idx``, the slot's request id
+    and whether it samples (temperature > 0); ``generated[b, k]`` is the k-th token
+    (1-based, like ``pre_ids``) of slot b's request.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        batch = config.max_batch
+        self.config = config
+        self.encoder_blocks = EncoderBlockAllocator(config.num_encoder_blocks)
+        self.waiting: deque[Request] = deque()
+        self.slot_requests: list[Request | None] = [None] * batch
+        self.live = np.zeros(batch, dtype=bool)
+        self.running = np.zeros(batch, dtype=bool)
+        self.preempted = np.zeros(batch, dtype=bool)
+        self.step_idx = np.zeros(batch, dtype=np.int64)
+        self.slot_request_ids = np.full(batch, -1, dtype=np.int64)
+        self.slot_samples = np.zeros(batch, dtype=bool)
+        self.generated = np.full((batch, config.max_model_len), -1, dtype=np.int64)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting) or bool(self.live.any())
+
+    def any_sampling(self) -> bool:
+        """Whether a running slot samples (so the step needs random draws)."""
+        return bool((self.slot_samples & self.running).any())
+
+    def admit(self) -> list[int]:
+        """Moves waiting requests (FIFO) into free slots while their prompt blocks are
+        available; returns the slots they took."""
+        # Preempted sequences come back first: admitting more would compete with them
+        # for the decoder pool and could keep them out indefinitely.
+        if not self.waiting or self.preempted.any():
+            return []
+        slots: list[int] = []
+        for slot in np.flatnonzero(~self.live).tolist():
+            if not self.waiting:
+                break
+            request = self.waiting[0]
+            blocks = self.encoder_blocks.allocate(
+                self.config.encoder_blocks_for(len(request.prompt_ids))
+            )
+            if blocks is None:
+                break  # the head of the queue waits for prompt blocks; FIFO keeps order
+            self.waiting.popleft()
+            request.encoder_blocks = blocks
+            self.slot_requests[slot] = request
+            slots.append(slot)
+        if slots:
+            requests = [self.slot_requests[slot] for slot in slots]
+            self.live[slots] = True
+            self.running[slots] = True
+            self.step_idx[slots] = 0
+            self.slot_request_ids[slots] = [r.request_id for r in requests]
+            self.slot_samples[slots] = [r.temperature > 0 for r in requests]
+        return slots
+
+    def record(self, outcome: StepOutcome) -> None:
+        """Takes in a step's results: tokens generated, slot flags, step_idx."""
+        rows = np.flatnonzero(outcome.ran)
+        self.generated[rows, outcome.step_idx[rows]] = outcome.tokens[rows]
+        self.running = ~outcome.stopped
+        self.preempted = outcome.preempted
+        self.step_idx = outcome.step_idx
+
+    def finished_slots(self) -> np.ndarray:
+        """Slots whose request stopped for good (stopped and not preempted)."""
+        return np.flatnonzero(self.live & ~self.running & ~self.preempted)
+
+    def retire(self, slots: np.ndarray) -> list[GenerationResult]:
+        """The results of the requests in ``slots``; frees their prompt blocks and slots."""
+        results = []
+        for slot in slots.tolist():
+            request = self.slot_requests[slot]
+            token_ids = self.generated[slot, 1 : self.step_idx[slot] + 1].tolist()
+            reason = (
+                FINISH_EOS if token_ids and token_ids[-1] == request.eos_token_id else FINISH_LENGTH
+            )
+            results.append(
+                GenerationResult(request.request_id, request.prompt_ids, token_ids, reason)
+            )
+            self.encoder_blocks.free(request.encoder_blocks)
+            self.slot_requests[slot] = None
+        self.live[slots] = False
+        self.slot_request_ids[slots] = -1
+        self.slot_samples[slots] = False
+        return results
+
+    def stall_reason(self) -> str:
+        """Why nothing can make progress, for the error ``Engine.step`` raises."""
+        config = self.config
+        parts = []
+        if self.waiting:
+            needed = config.encoder_blocks_for(len(self.waiting[0].prompt_ids))
+            parts.append(
+                f"{len(self.waiting)} request(s) waiting (the next needs {needed} encoder "
+                f"blocks, {self.encoder_blocks.num_free} of {config.num_encoder_blocks} free; "
+                f"{int((~self.live).sum())} of {config.max_batch} slots free)"
+            )
+        if self.preempted.any():
+            parts.append(
+                f"{int(self.preempted.sum())} preempted sequence(s) not recovered "
+                f"(decoder pool of {config.num_decoder_blocks} blocks)"
+            )
+        return (
+            "Engine.step: no progress: nothing is running, nothing can be admitted and "
+            "nothing was recovered: " + "; ".join(parts)
+        )
+
+    def prompt_block_problems(self, tables: np.ndarray, encoder_lens: np.ndarray) -> list[str]:
+        """How the device's block tables disagree with the prompt blocks handed out:
+        each live slot's encoder columns hold its blocks, free slots hold none, and the
+        allocator's blocks are exactly the live slots'."""
+        problems = []
+        held: set[int] = set()
+        for slot in np.flatnonzero(self.live).tolist():
+            expected = self.slot_requests[slot].encoder_blocks
+            found = tables[slot, : encoder_lens[slot]].tolist()
+            if found != expected:
+                problems.append(
+                    f"slot {slot}: encoder columns hold {found}, "
+                    f"expected its prompt blocks {expected}"
+                )
+            held.update(expected)
+        for slot in np.flatnonzero(~self.live).tolist():
+            if (tables[slot] != -1).any():
+                problems.append(f"free slot {slot} still holds blocks {tables[slot].tolist()}")
+        if held != set(self.encoder_blocks.allocated):
+            problems.append(
+                f"allocated prompt blocks {sorted(self.encoder_blocks.allocated)} differ from "
+                f"those the live slots hold {sorted(held)}"
+            )
+        return problems

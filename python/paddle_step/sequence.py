@@ -1,0 +1,147 @@
+"""Requests and what generating from them yields: results, run statistics and the
+reasons a request finishes. No paddle, no engine: the naive decoder uses these too."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from .state import EngineConfig
+
+__all__ = ["FINISH_EOS", "FINISH_LENGTH", "GenerationResult", "GenerationStats", "Request"]
+
+FINISH_EOS = "eos"
+FINISH_LENGTH = "length"
+
+
+@dataclass
+class GenerationResult:
+    """One finished request: its prompt, the tokens generated (an eos token included) and
+    why it stopped: ``"eos"`` or ``"length"`` (``max_new_tokens`` or the model length)."""
+
+    request_id: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+
+    def to_dict(self) -> dict:
+        """The JSON form: prompt_ids, token_ids and finish_reason."""
+        return {
+            "prompt_ids": self.prompt_ids,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+        }
+
+
+@dataclass
+class GenerationStats:
+    """Counters of a generation run.
+
+    ``preemptions`` and ``recoveries`` count ``step_paddle``'s evictions of running
+    sequences and their returns; ``peak_blocks_in_use`` is the most KV blocks held at once
+    (prompt blocks plus decoder blocks, measured after each step's scheduling); ``elapsed``
+    is the time spent in steps, in seconds.
+    """
+
+    steps: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    recoveries: int = 0
+    peak_blocks_in_use: int = 0
+    elapsed: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of step time."""
+        return self.generated_tokens / self.elapsed if self.elapsed > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        """All counters plus ``tokens_per_s``."""
+        return {**asdict(self), "tokens_per_s": self.tokens_per_s}
+
+
+@dataclass
+class Request:
+    """A validated request; ``encoder_blocks`` are its prompt blocks once admitted."""
+
+    request_id: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    eos_token_id: int  # -1: no eos stop
+    temperature: float
+    top_p: float
+    encoder_blocks: list[int] = field(default_factory=list)
+
+    @classmethod
+    def validated(
+        cls,
+        request_id: int,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        eos_token_id: int | None,
+        temperature: float,
+        top_p: float,
+        *,
+        default_eos_token_id: int,
+        vocab_size: int,
+        config: EngineConfig,
+    ) -> Request:
+        """The request ``Engine.add_request`` was asked for (``eos_token_id`` None:
+        ``default_eos_token_id``, where -1 means no eos stop). Raises ``ValueError`` for one
+        the engine could never run (empty prompt, ids outside the vocabulary, prompt +
+        max_new_tokens past ``max_model_len``, more prompt blocks than the encoder region
+        holds) or a bad sampling parameter."""
+        prompt = [int(token) for token in prompt_ids]
+        max_len = config.max_model_len
+        if not prompt:
+            raise ValueError(
+                "add_request: argument 'prompt_ids': expected at least one token, got []"
+            )
+        outside = [token for token in prompt if not 0 <= token < vocab_size]
+        if outside:
+            raise ValueError(
+                f"add_request: argument 'prompt_ids': expected ids in [0, {vocab_size}), "
+                f"got {outside[:5]}"
+            )
+        if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+            raise ValueError(
+                "add_request: argument 'max_new_tokens': expected an int >= 1, "
+                f"got {max_new_tokens!r}"
+            )
+        if len(prompt) + max_new_tokens > max_len:
+            raise ValueError(
+                f"add_request: prompt length {len(prompt)} + max_new_tokens {max_new_tokens} "
+                f"= {len(prompt) + max_new_tokens}, expected <= max_model_len ({max_len})"
+            )
+        needed = config.encoder_blocks_for(len(prompt))
+        if needed > config.num_encoder_blocks:
+            raise ValueError(
+                f"add_request: a prompt of {len(prompt)} tokens needs {needed} encoder blocks, "
+                f"expected <= {config.num_encoder_blocks} (the encoder region)"
+            )
+        if eos_token_id is None:
+            eos_token_id = default_eos_token_id
+        elif not 0 <= eos_token_id < vocab_size:
+            raise ValueError(
+                f"add_request: argument 'eos_token_id': expected None or an id in "
+                f"[0, {vocab_size}), got {eos_token_id!r}"
+            )
+        if not temperature >= 0.0:
+            raise ValueError(
+                f"add_request: argument 'temperature': expected >= 0, got {temperature!r}"
+            )
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"add_request: argument 'top_p': expected in (0, 1], got {top_p!r}")
+        return cls(
+            request_id,
+            prompt,
+            int(max_new_tokens),
+            int(eos_token_id),
+            float(temperature),
+            float(top_p),
+        )
