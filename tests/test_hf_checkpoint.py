@@ -61,10 +61,13 @@ def test_prompt_ids_match_transformers(loaded64, name) -> None:
 
 
 def test_float64_prefill_logits_match_transformers(loaded64, name) -> None:
-    """transformers' "float64" Llama/Qwen2 still runs RMSNorm and the rotary table in float32
-    (it casts to float32 inside both), so it differs from a float64-throughout model by
-    float32 rounding: about 6e-7 of the largest logit here, never near 1e-9. The bound is
-    that, with headroom; a wrong weight layout or formula is off by 1e-2 or more."""
+    """Not 1e-9: transformers' "float64" Llama/Qwen2 computes RMSNorm in float32 (it casts
+    to float32 inside the norm) and, per its source, the rotary angles too, so its logits carry
+    float32 rounding, about 6e-7 of the largest logit here. (Checked on prompt "x", one token, no
+    rotary: float32 norms, with one of the five rsqrt results one float32 ulp higher, as
+    torch rounds it, reproduce its logits to 1e-16.) This model stays float64 throughout;
+    the bound is that rounding with headroom, while a wrong layout or formula is off by 1e-2
+    or more. The greedy ids below match exactly."""
     for index, entry in enumerate(golden_prompts(name, "float64")):
         expected = np.load(DATA / name / f"golden_prefill_logits_{index}.npy")
         got = loaded64.model.logits_all_positions(entry["prompt_ids"]).numpy()

@@ -272,6 +272,48 @@ def build_flat_batch(
     )
 
 
+class PrefillLayout:
+    """Which tokens of a flat step are prefill tokens, and how they pad into a batch.
+
+    A prefill row is a row whose first token this step is at position 0 (a new or
+    recovered sequence): its tokens attend only to each other, so they can use their own
+    fresh K/V, padded into [R, L] (R prefill rows, L the longest), instead of reading every
+    key of the context back from the cache for every token ([T, K] slots). The other
+    (decode) tokens read their keys through the block tables. Built on the host from
+    ``positions`` and ``token_rows``, whose rows must be contiguous and in position order,
+    as ``build_flat_batch`` lays them out.
+    """
+
+    def __init__(self, positions: np.ndarray, token_rows: np.ndarray) -> None:
+        count = positions.shape[0]
+        row_starts = np.flatnonzero(np.r_[True, token_rows[1:] != token_rows[:-1]])
+        row_lengths = np.diff(np.r_[row_starts, count])
+        is_prefill = positions[row_starts] == 0
+        starts, lengths = row_starts[is_prefill], row_lengths[is_prefill]
+        self.num_rows = starts.shape[0]
+        self.width = int(lengths.max()) if self.num_rows else 0
+        columns = np.arange(self.width)
+        real = columns[None, :] < lengths[:, None]  # [R, L]
+        padded = np.where(real, starts[:, None] + columns[None, :], 0)
+        self.prefill_tokens = padded[real]  # flat indices, ascending
+        is_prefill_token = np.zeros(count, dtype=bool)
+        is_prefill_token[self.prefill_tokens] = True
+        self.decode_tokens = np.flatnonzero(~is_prefill_token)
+        # Tensors only for the parts this step has: a pure decode step adds no work.
+        if self.num_rows:
+            self.padded_index = paddle.to_tensor(padded.reshape(-1).astype(np.int64))  # [R*L]
+            self.unpad_index = paddle.to_tensor(np.flatnonzero(real.reshape(-1)).astype(np.int64))
+            # Key j is visible to query i if it is a real token and j <= i; padding queries
+            # see real keys too, so no softmax row is empty (their outputs are dropped).
+            causal = real[:, None, :] & (columns[None, :, None] >= columns[None, None, :])
+            self.causal = paddle.to_tensor(causal[:, None, None])  # [R, 1, 1, L, L]
+        self.is_mixed = bool(self.num_rows and self.decode_tokens.size)
+        if self.is_mixed:
+            # Token order of [prefill outputs, decode outputs].
+            order = np.concatenate([self.prefill_tokens, self.decode_tokens])
+            self.restore_order = paddle.to_tensor(np.argsort(order).astype(np.int64))
+
+
 class RMSNorm(nn.Layer):
     """Root-mean-square layer norm with a learned scale."""
 
@@ -546,32 +588,55 @@ class TinyLlama(nn.Layer):
             last_token_index: [B] int64 flat index of each row's last token, -1 for a row
                 with no token this step.
             block_tables: [B, M] int32/int64 block ids of each row's sequence, -1 unused.
-            max_context_len: at least the largest ``position + 1`` in the step; keys are
-                looked up for positions ``0 .. max_context_len - 1``.
+            max_context_len: at least the largest ``position + 1`` in the step; decode
+                tokens look their keys up for positions ``0 .. max_context_len - 1``.
             kv_cache: written at ``slot_mapping``, then read through ``block_tables``.
 
-        Each token attends to its sequence's keys at positions up to and including its own,
-        all read back from the cache (so earlier steps' K/V must be there). Returns logits
-        [B, vocab] of each row's last token; rows without a token get zeros.
+        Each token attends to its sequence's keys at positions up to and including its own.
+        Tokens of a row starting at position 0 (a prefill) use the step's own K/V; the others
+        read theirs back from the cache (so earlier steps' K/V must be there). Returns
+        logits [B, vocab] of each row's last token; rows without a token get zeros.
         """
-        block_size = kv_cache.block_size
-        key_positions = paddle.arange(max_context_len, dtype="int64").unsqueeze(0)
-        key_slots = slots_through_table(
-            paddle.gather(block_tables, token_rows),
-            key_positions.expand([input_ids.shape[0], max_context_len]),
-            block_size,
-        )  # [T, K]
-        # Causal and in-table keys only; hidden keys read slot 0 and get zero weight.
-        visible = (key_slots >= 0) & (key_positions <= positions.unsqueeze(1))
-        key_slots = paddle.where(visible, key_slots, paddle.zeros_like(key_slots))
-        visible = visible.unsqueeze(1).unsqueeze(1).unsqueeze(3)  # [T, 1, 1, 1, K]
+        layout = PrefillLayout(positions.numpy(), token_rows.numpy())
+        if layout.decode_tokens.size:
+            decode_positions, decode_rows = positions, token_rows
+            if layout.is_mixed:
+                decode_tokens = paddle.to_tensor(layout.decode_tokens.astype(np.int64))
+                decode_positions = paddle.gather(positions, decode_tokens)
+                decode_rows = paddle.gather(token_rows, decode_tokens)
+            key_positions = paddle.arange(max_context_len, dtype="int64").unsqueeze(0)
+            key_slots = slots_through_table(
+                paddle.gather(block_tables, decode_rows),
+                key_positions.expand([decode_rows.shape[0], max_context_len]),
+                kv_cache.block_size,
+            )  # [Td, K]
+            # Causal and in-table keys only; hidden keys read slot 0 and get zero weight.
+            visible = (key_slots >= 0) & (key_positions <= decode_positions.unsqueeze(1))
+            key_slots = paddle.where(visible, key_slots, paddle.zeros_like(key_slots))
+            visible = visible.unsqueeze(1).unsqueeze(1).unsqueeze(3)  # [Td, 1, 1, 1, K]
+
+        def padded(x: paddle.Tensor) -> paddle.Tensor:
+            """[T, heads, D] -> the prefill rows' tokens, [R, L, heads, D]."""
+            rows = paddle.gather(x, layout.padded_index)
+            return rows.reshape([layout.num_rows, layout.width, *x.shape[1:]])
 
         def paged_attention_for(layer: int) -> AttendFn:
             def attend(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> paddle.Tensor:
                 kv_cache.write(layer, slot_mapping, k, v)
-                keys, values = kv_cache.gather(layer, key_slots)  # [T, K, KVH, D] each
-                # Each token is its own query batch of one, over its own key set.
-                return self._grouped_attention(q.unsqueeze(1), keys, values, visible).squeeze(1)
+                outputs = []
+                if layout.num_rows:
+                    out = self._grouped_attention(padded(q), padded(k), padded(v), layout.causal)
+                    out = out.reshape([layout.num_rows * layout.width, -1])
+                    outputs.append(paddle.gather(out, layout.unpad_index))
+                if layout.decode_tokens.size:
+                    keys, values = kv_cache.gather(layer, key_slots)  # [Td, K, KVH, D] each
+                    # Each token is its own query batch of one, over its own key set.
+                    decode_q = paddle.gather(q, decode_tokens) if layout.is_mixed else q
+                    out = self._grouped_attention(decode_q.unsqueeze(1), keys, values, visible)
+                    outputs.append(out.squeeze(1))
+                if layout.is_mixed:
+                    return paddle.gather(paddle.concat(outputs), layout.restore_order)
+                return outputs[0]
 
             return attend
 
