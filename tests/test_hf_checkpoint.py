@@ -139,6 +139,29 @@ def test_streaming_waits_for_whole_characters(loaded64) -> None:
     assert pieces.count("") > 0  # held back while a character was cut short
 
 
+def test_encode_applies_the_checkpoints_post_processor(tmp_path) -> None:
+    """A Llama-style post-processor that prepends <s>: encode adds it by default (as
+    transformers' tokenizer(text) does), and a chat prompt, whose template writes its own
+    <s>, does not get a second one."""
+    path = copy_checkpoint(tmp_path, "llama-tiny")
+    tokenizer_json = json.loads((path / "tokenizer.json").read_text())
+    tokenizer_json["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                   {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<s>": {"id": "<s>", "ids": [0], "tokens": ["<s>"]}},
+    }
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ bos_token }}{{ messages[0]['content'] }}"
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = HFTokenizer.from_dir(path)
+    assert tokenizer.encode("x") == [0, 89]
+    assert tokenizer.encode("x", add_special_tokens=False) == [89]
+    assert tokenizer.encode_chat([{"role": "user", "content": "x"}]) == [0, 89]
+
+
 def test_chat_template(tmp_path) -> None:
     path = copy_checkpoint(tmp_path, "llama-tiny")
     config = json.loads((path / "tokenizer_config.json").read_text())

@@ -56,7 +56,7 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not valid JSON: {error}") from None
 
 
-def _bf16_to_float32(raw: bytes) -> np.ndarray:
+def _bf16_to_float32(raw: bytes | bytearray) -> np.ndarray:
     # bfloat16 is the upper half of a float32: widen by shifting into the high 16 bits.
     return (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
 
@@ -72,7 +72,7 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         raise CheckpointError(f"{path}: not a readable safetensors file: {error}") from None
     arrays = {}
     for name, entry in entries:
-        dtype, raw = entry["dtype"], bytes(entry["data"])
+        dtype, raw = entry["dtype"], entry["data"]
         if dtype == "BF16":
             flat = _bf16_to_float32(raw)
         elif dtype in _NUMPY_DTYPES:
