@@ -301,6 +301,10 @@ def test_rope_layouts_and_llama3_scaling() -> None:
             assert got == pytest.approx((1 - smooth) * freq / 8 + smooth * freq, rel=1e-15)
     assert scaled[0] == inv_freq[0] and scaled[-1] == pytest.approx(inv_freq[-1] / 8)
     assert any(freq / 8 < got < freq for freq, got in zip(inv_freq, scaled))
+    model = TinyLlama(model_config_from_hf(
+        base_config(rope_scaling={"rope_type": "llama3", **llama3}), dtype="float64"
+    ))
+    np.testing.assert_array_equal(model.inv_freq.numpy(), scaled)
 
 
 def test_head_dim_gqa_bias_and_tying_from_config() -> None:
