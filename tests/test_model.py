@@ -203,3 +203,22 @@ def test_greedy_decode_paged_equals_naive(model64: TinyLlama) -> None:
         assert tokens == naive_greedy(model64, prompt, num_new)
     # Guards against a degenerate model whose greedy output would match trivially.
     assert len({t for tokens in generated for t in tokens}) > 8
+
+
+def test_continuation_reads_the_cache_and_prefill_its_own_kv(model64: TinyLlama) -> None:
+    """A row resuming at position 5 with several tokens (a chunked continuation) reads its
+    earlier keys from the cache; a prefill row in the same step needs no cache at all."""
+    rng = np.random.default_rng(11)
+    resumed, fresh = rng.integers(0, 256, 9).tolist(), rng.integers(0, 256, 6).tolist()
+    block_size, width = 4, 12
+    block_tables = paddle.to_tensor(scrambled_block_tables(2, 3))
+    block_tables[1] = -1  # the prefill row has no blocks: its K/V are never stored
+    cache = PagedKVCache.for_config(model64.config, num_blocks=6, block_size=block_size)
+
+    def build_step(rows: list[list[int]], starts: list[int]):
+        return build_flat_batch(*slot_state(rows, starts, width), block_tables, block_size)
+
+    model64.forward_paged(**build_step([resumed[:5], []], [0, 0]), kv_cache=cache)
+    logits = model64.forward_paged(**build_step([resumed[5:], fresh], [5, 0]), kv_cache=cache)
+    expected = model64.forward_naive([resumed, fresh]).numpy()
+    np.testing.assert_allclose(logits.numpy(), expected, rtol=1e-9, atol=1e-9)

@@ -18,7 +18,7 @@ Typical engine step, from FastDeploy-style slot-indexed state::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypedDict
 
@@ -33,8 +33,49 @@ AttendFn = Callable[[paddle.Tensor, paddle.Tensor, paddle.Tensor], paddle.Tensor
 
 
 @dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.x's frequency-dependent rotary scaling (``rope_type: llama3``).
+
+    Wavelengths longer than ``original_max_position_embeddings / low_freq_factor`` are
+    stretched by ``factor``, shorter than ``.. / high_freq_factor`` kept, and the band
+    between interpolated smoothly.
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        if not self.high_freq_factor > self.low_freq_factor > 0 or self.factor <= 0:
+            raise ValueError(
+                "Llama3RopeScaling: expected factor > 0 and high_freq_factor > low_freq_factor "
+                f"> 0, got factor={self.factor}, low_freq_factor={self.low_freq_factor}, "
+                f"high_freq_factor={self.high_freq_factor}"
+            )
+
+    def scale(self, inv_freq: np.ndarray) -> np.ndarray:
+        """The scaled inverse frequencies (float64, same shape as ``inv_freq``)."""
+        context = self.original_max_position_embeddings
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (context / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        interpolated = (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
+        long_waves = np.where(
+            wavelen > context / self.low_freq_factor, inv_freq / self.factor, interpolated
+        )
+        return np.where(wavelen < context / self.high_freq_factor, inv_freq, long_waves)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """Shape, numerics and seed of a ``TinyLlama``."""
+    """Shape, numerics and seed of a ``TinyLlama``.
+
+    The defaults are the random test model; ``paddle_step.hf_config`` fills the rest from a
+    Hugging Face checkpoint (``explicit_head_dim``, biases, tied embeddings, rope scaling,
+    context length).
+    """
 
     vocab_size: int = ByteTokenizer().vocab_size
     hidden_size: int = 64
@@ -46,11 +87,17 @@ class ModelConfig:
     rms_eps: float = 1e-6
     dtype: str = "float32"
     seed: int = 0
+    explicit_head_dim: int | None = None  # None: hidden_size // num_heads
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    o_proj_bias: bool = False  # a bias on the attention output projection
+    tie_word_embeddings: bool = False  # the lm head is the embedding matrix, transposed
+    rope_scaling: Llama3RopeScaling | None = None
+    max_position_embeddings: int | None = None  # context length; None: unbounded
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be 'float32' or 'float64', got {self.dtype!r}")
-        if self.hidden_size % self.num_heads:
+        if self.explicit_head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be a multiple of num_heads "
                 f"({self.num_heads})"
@@ -60,13 +107,25 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads})"
             )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embedding")
+        if self.head_dim <= 0 or self.head_dim % 2:
+            raise ValueError(
+                f"head_dim ({self.head_dim}) must be positive and even for rotary embedding"
+            )
 
     @property
     def head_dim(self) -> int:
         """Width of one attention head."""
+        if self.explicit_head_dim is not None:
+            return self.explicit_head_dim
         return self.hidden_size // self.num_heads
+
+
+# draw(rng) -> a parameter's seeded random values (drawn in a fixed order, parameter by
+# parameter, so the random model does not change when parameters are added after them).
+Draw = Callable[[np.random.Generator], np.ndarray]
+# values(name, shape, draw) -> the array parameter ``name`` starts from: a checkpoint's, or
+# with none, ``draw(rng)``.
+ParameterValues = Callable[[str, list[int], Draw], np.ndarray]
 
 
 class PagedKVCache:
@@ -126,7 +185,7 @@ class PagedKVCache:
         paddle.index_put_(self.value, (layer_index, kept_slots), paddle.gather(v, kept))
 
     def gather(self, layer: int, slots: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """K and V at ``slots`` (any shape, all >= 0): each
+        """K and V at ``slots`` (any shape, all >= 0), each of shape
         ``slots.shape + [kv_heads, head_dim]``."""
         flat = slots.flatten()
         tail = list(self.key.shape[2:])
@@ -216,14 +275,58 @@ def build_flat_batch(
     )
 
 
+class PrefillLayout:
+    """Which tokens of a flat step are prefill tokens, and how they pad into a batch.
+
+    A prefill row is a row whose first token this step is at position 0 (a new or
+    recovered sequence): its tokens attend only to each other, so they can use their own
+    fresh K/V, padded into [R, L] (R prefill rows, L the longest), instead of reading every
+    key of the context back from the cache for every token ([T, K] slots). The other
+    (decode) tokens read their keys through the block tables. Built on the host from
+    ``positions`` and ``token_rows``, whose rows must be contiguous and in position order,
+    as ``build_flat_batch`` lays them out.
+    """
+
+    def __init__(self, positions: np.ndarray, token_rows: np.ndarray) -> None:
+        count = positions.shape[0]
+        row_starts = np.flatnonzero(np.r_[True, token_rows[1:] != token_rows[:-1]])
+        row_lengths = np.diff(np.r_[row_starts, count])
+        is_prefill = positions[row_starts] == 0
+        starts, lengths = row_starts[is_prefill], row_lengths[is_prefill]
+        self.num_rows = starts.shape[0]
+        self.width = int(lengths.max()) if self.num_rows else 0
+        columns = np.arange(self.width)
+        real = columns[None, :] < lengths[:, None]  # [R, L]
+        padded = np.where(real, starts[:, None] + columns[None, :], 0)
+        self.prefill_tokens = padded[real]  # flat indices, ascending
+        is_prefill_token = np.zeros(count, dtype=bool)
+        is_prefill_token[self.prefill_tokens] = True
+        self.decode_tokens = np.flatnonzero(~is_prefill_token)
+        # Tensors only for the parts this step has: a pure decode step adds no work.
+        if self.num_rows:
+            self.padded_index = paddle.to_tensor(padded.reshape(-1).astype(np.int64))  # [R*L]
+            self.unpad_index = paddle.to_tensor(np.flatnonzero(real.reshape(-1)).astype(np.int64))
+            # Key j is visible to query i if it is a real token and j <= i; padding queries
+            # see real keys too, so no softmax row is empty (their outputs are dropped).
+            causal = real[:, None, :] & (columns[None, :, None] >= columns[None, None, :])
+            self.causal = paddle.to_tensor(causal[:, None, None])  # [R, 1, 1, L, L]
+        self.is_mixed = bool(self.num_rows and self.decode_tokens.size)
+        if self.is_mixed:
+            # Token order of [prefill outputs, decode outputs].
+            order = np.concatenate([self.prefill_tokens, self.decode_tokens])
+            self.restore_order = paddle.to_tensor(np.argsort(order).astype(np.int64))
+
+
 class RMSNorm(nn.Layer):
     """Root-mean-square layer norm with a learned scale."""
 
-    def __init__(self, size: int, eps: float, dtype: str) -> None:
+    def __init__(self, weight: np.ndarray, eps: float, dtype: str) -> None:
         super().__init__()
         self.eps = eps
         self.weight = self.create_parameter(
-            [size], dtype=dtype, default_initializer=nn.initializer.Constant(1.0)
+            list(weight.shape),
+            dtype=dtype,
+            default_initializer=nn.initializer.Assign(weight.astype(dtype)),
         )
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
@@ -236,36 +339,68 @@ def _rotate_half(x: paddle.Tensor) -> paddle.Tensor:
     return paddle.concat([-second, first], axis=-1)
 
 
+def _linear(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None) -> paddle.Tensor:
+    out = paddle.matmul(x, weight)
+    return out if bias is None else out + bias
+
+
+def _ones(size: int) -> Draw:
+    return lambda _rng: np.ones(size)
+
+
+def _small_normal(size: int) -> Draw:
+    return lambda rng: 0.1 * rng.standard_normal(size)
+
+
+def _scaled_normal(fan_in: int, fan_out: int) -> Draw:
+    # 1/sqrt(fan_in) keeps activations O(1) through the stack.
+    return lambda rng: rng.standard_normal((fan_in, fan_out)) / math.sqrt(fan_in)
+
+
 class DecoderLayer(nn.Layer):
     """Pre-norm block: RMSNorm -> GQA attention -> residual, RMSNorm -> SwiGLU -> residual.
 
     How attention finds its keys is left to the caller (``attend``), which is the only thing
-    that differs between the naive and the paged forward.
+    that differs between the naive and the paged forward. Matrices are [in, out] (x @ W).
     """
 
-    def __init__(self, config: ModelConfig, rng: np.random.Generator) -> None:
+    def __init__(self, config: ModelConfig, prefix: str, values: ParameterValues) -> None:
         super().__init__()
         self.config = config
         hidden, head_dim = config.hidden_size, config.head_dim
+        q_width, kv_width = config.num_heads * head_dim, config.num_kv_heads * head_dim
 
-        def linear(fan_in: int, fan_out: int) -> paddle.Tensor:
-            # 1/sqrt(fan_in) keeps activations O(1) through the stack.
-            values = rng.standard_normal((fan_in, fan_out)) / math.sqrt(fan_in)
+        def parameter(name: str, shape: list[int], draw: Draw) -> paddle.Tensor:
+            array = values(f"{prefix}.{name}", shape, draw)
             return self.create_parameter(
-                [fan_in, fan_out],
+                shape,
                 dtype=config.dtype,
-                default_initializer=nn.initializer.Assign(values.astype(config.dtype)),
+                default_initializer=nn.initializer.Assign(array.astype(config.dtype)),
             )
 
-        self.attn_norm = RMSNorm(hidden, config.rms_eps, config.dtype)
-        self.wq = linear(hidden, config.num_heads * head_dim)
-        self.wk = linear(hidden, config.num_kv_heads * head_dim)
-        self.wv = linear(hidden, config.num_kv_heads * head_dim)
-        self.wo = linear(config.num_heads * head_dim, hidden)
-        self.mlp_norm = RMSNorm(hidden, config.rms_eps, config.dtype)
-        self.w_gate = linear(hidden, config.intermediate_size)
-        self.w_up = linear(hidden, config.intermediate_size)
-        self.w_down = linear(config.intermediate_size, hidden)
+        def linear(name: str, fan_in: int, fan_out: int) -> paddle.Tensor:
+            return parameter(name, [fan_in, fan_out], _scaled_normal(fan_in, fan_out))
+
+        def bias(name: str, size: int, present: bool) -> paddle.Tensor | None:
+            return parameter(name, [size], _small_normal(size)) if present else None
+
+        def norm(name: str) -> RMSNorm:
+            weight = values(f"{prefix}.{name}.weight", [hidden], _ones(hidden))
+            return RMSNorm(weight, config.rms_eps, config.dtype)
+
+        self.attn_norm = norm("attn_norm")
+        self.wq = linear("wq", hidden, q_width)
+        self.q_bias = bias("q_bias", q_width, config.qkv_bias)
+        self.wk = linear("wk", hidden, kv_width)
+        self.k_bias = bias("k_bias", kv_width, config.qkv_bias)
+        self.wv = linear("wv", hidden, kv_width)
+        self.v_bias = bias("v_bias", kv_width, config.qkv_bias)
+        self.wo = linear("wo", q_width, hidden)
+        self.o_bias = bias("o_bias", hidden, config.o_proj_bias)
+        self.mlp_norm = norm("mlp_norm")
+        self.w_gate = linear("w_gate", hidden, config.intermediate_size)
+        self.w_up = linear("w_up", hidden, config.intermediate_size)
+        self.w_down = linear("w_down", config.intermediate_size, hidden)
 
     def forward(
         self, x: paddle.Tensor, rope: tuple[paddle.Tensor, paddle.Tensor], attend: AttendFn
@@ -274,13 +409,13 @@ class DecoderLayer(nn.Layer):
         cfg = self.config
         tokens = x.shape[0]
         h = self.attn_norm(x)
-        q = paddle.matmul(h, self.wq).reshape([tokens, cfg.num_heads, cfg.head_dim])
-        k = paddle.matmul(h, self.wk).reshape([tokens, cfg.num_kv_heads, cfg.head_dim])
-        v = paddle.matmul(h, self.wv).reshape([tokens, cfg.num_kv_heads, cfg.head_dim])
+        q = _linear(h, self.wq, self.q_bias).reshape([tokens, cfg.num_heads, cfg.head_dim])
+        k = _linear(h, self.wk, self.k_bias).reshape([tokens, cfg.num_kv_heads, cfg.head_dim])
+        v = _linear(h, self.wv, self.v_bias).reshape([tokens, cfg.num_kv_heads, cfg.head_dim])
         cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        x = x + paddle.matmul(attend(q, k, v), self.wo)
+        x = x + _linear(attend(q, k, v), self.wo, self.o_bias)
 
         h = self.mlp_norm(x)
         gated = nn.functional.silu(paddle.matmul(h, self.w_gate)) * paddle.matmul(h, self.w_up)
@@ -288,41 +423,77 @@ class DecoderLayer(nn.Layer):
 
 
 class TinyLlama(nn.Layer):
-    """Llama-style decoder with seeded random weights (inference only).
+    """Llama-style decoder (inference only), with seeded random weights or given ones.
 
     Head ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (grouped-query attention);
     rotary embedding uses each token's absolute position.
+
+    ``weights`` maps every parameter name (as ``named_parameters`` lists them, e.g.
+    ``layers.0.wq``; matrices [in, out]) to its array; without it the weights are drawn from
+    ``config.seed``.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(
+        self, config: ModelConfig, weights: Mapping[str, np.ndarray] | None = None
+    ) -> None:
         super().__init__()
         self.config = config
-        rng = np.random.default_rng(config.seed)
-        hidden = config.hidden_size
+        if weights is None:
+            rng = np.random.default_rng(config.seed)
+
+            def values(name: str, shape: list[int], draw: Draw) -> np.ndarray:
+                return draw(rng)
+        else:
+
+            def values(name: str, shape: list[int], draw: Draw) -> np.ndarray:
+                if name not in weights:
+                    raise ValueError(f"TinyLlama: argument 'weights': no array for {name!r}")
+                array = np.asarray(weights[name])
+                if list(array.shape) != shape:
+                    raise ValueError(
+                        f"TinyLlama: argument 'weights': {name!r}: expected shape {shape}, "
+                        f"got {list(array.shape)}"
+                    )
+                return array
+
+        hidden, vocab = config.hidden_size, config.vocab_size
+
+        def parameter(name: str, shape: list[int], draw: Draw) -> paddle.Tensor:
+            return self.create_parameter(
+                shape,
+                dtype=config.dtype,
+                default_initializer=nn.initializer.Assign(
+                    values(name, shape, draw).astype(config.dtype)
+                ),
+            )
+
         # Unit-variance embeddings and an lm_head scaled for O(1) logits keep the logits
         # spread out, so greedy decoding wanders over many tokens instead of tying.
-        self.embed = self.create_parameter(
-            [config.vocab_size, hidden],
-            dtype=config.dtype,
-            default_initializer=nn.initializer.Assign(
-                rng.standard_normal((config.vocab_size, hidden)).astype(config.dtype)
-            ),
+        self.embed = parameter(
+            "embed", [vocab, hidden], lambda rng: rng.standard_normal((vocab, hidden))
         )
-        self.layers = nn.LayerList([DecoderLayer(config, rng) for _ in range(config.num_layers)])
-        self.final_norm = RMSNorm(hidden, config.rms_eps, config.dtype)
-        self.lm_head = self.create_parameter(
-            [hidden, config.vocab_size],
-            dtype=config.dtype,
-            default_initializer=nn.initializer.Assign(
-                (rng.standard_normal((hidden, config.vocab_size)) / math.sqrt(hidden)).astype(
-                    config.dtype
+        self.layers = nn.LayerList(
+            [DecoderLayer(config, f"layers.{i}", values) for i in range(config.num_layers)]
+        )
+        self.final_norm = RMSNorm(
+            values("final_norm.weight", [hidden], _ones(hidden)), config.rms_eps, config.dtype
+        )
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else parameter("lm_head", [hidden, vocab], _scaled_normal(hidden, vocab))
+        )
+        if weights is not None:
+            unused = sorted(set(weights) - {name for name, _ in self.named_parameters()})
+            if unused:
+                raise ValueError(
+                    f"TinyLlama: argument 'weights': arrays for no parameter: {unused}"
                 )
-            ),
-        )
         half = np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim
-        self.inv_freq = paddle.to_tensor(
-            (1.0 / config.rope_theta**half).astype(config.dtype)
-        )  # [head_dim / 2]
+        inv_freq = 1.0 / config.rope_theta**half
+        if config.rope_scaling is not None:
+            inv_freq = config.rope_scaling.scale(inv_freq)
+        self.inv_freq = paddle.to_tensor(inv_freq.astype(config.dtype))  # [head_dim / 2]
         for param in self.parameters():
             param.stop_gradient = True
 
@@ -362,7 +533,28 @@ class TinyLlama(nn.Layer):
         scores = paddle.matmul(q, k) / math.sqrt(cfg.head_dim)
         scores = paddle.where(visible, scores, paddle.full_like(scores, float("-inf")))
         out = paddle.matmul(nn.functional.softmax(scores, axis=-1), v)  # [N, KVH, G, T, D]
-        return out.transpose([0, 3, 1, 2, 4]).reshape([batches, tokens, cfg.hidden_size])
+        out = out.transpose([0, 3, 1, 2, 4])  # [N, T, KVH, G, D]
+        return out.reshape([batches, tokens, cfg.num_heads * cfg.head_dim])
+
+    def _logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        if self.lm_head is None:
+            return paddle.matmul(hidden, self.embed, transpose_y=True)
+        return paddle.matmul(hidden, self.lm_head)
+
+    def _naive_hidden(self, sequence: Sequence[int]) -> paddle.Tensor:
+        """Hidden states [len(sequence), hidden] of one whole sequence, no cache."""
+        ids = paddle.to_tensor(list(sequence), dtype="int64")
+        length = ids.shape[0]
+        causal = paddle.tril(paddle.ones([length, length], dtype="bool"))
+
+        def self_attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> paddle.Tensor:
+            return self._grouped_attention(
+                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal
+            ).squeeze(0)
+
+        return self._run_layers(
+            ids, paddle.arange(length, dtype="int64"), lambda _layer: self_attention
+        )
 
     @paddle.no_grad()
     def forward_naive(self, token_ids: list[list[int]]) -> paddle.Tensor:
@@ -370,24 +562,13 @@ class TinyLlama(nn.Layer):
 
         Returns the logits of the last token of each sequence, [len(token_ids), vocab].
         """
-        last_hidden = []
-        for sequence in token_ids:
-            ids = paddle.to_tensor(sequence, dtype="int64")
-            length = ids.shape[0]
-            causal = paddle.tril(paddle.ones([length, length], dtype="bool"))
+        last_hidden = [self._naive_hidden(sequence)[-1] for sequence in token_ids]
+        return self._logits(paddle.stack(last_hidden))
 
-            def self_attention(
-                q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor
-            ) -> paddle.Tensor:
-                return self._grouped_attention(
-                    q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal
-                ).squeeze(0)
-
-            hidden = self._run_layers(
-                ids, paddle.arange(length, dtype="int64"), lambda _layer: self_attention
-            )
-            last_hidden.append(hidden[-1])
-        return paddle.matmul(paddle.stack(last_hidden), self.lm_head)
+    @paddle.no_grad()
+    def logits_all_positions(self, token_ids: Sequence[int]) -> paddle.Tensor:
+        """Reference logits [len(token_ids), vocab] at every position of one sequence."""
+        return self._logits(self._naive_hidden(token_ids))
 
     @paddle.no_grad()
     def forward_paged(
@@ -411,37 +592,60 @@ class TinyLlama(nn.Layer):
             last_token_index: [B] int64 flat index of each row's last token, -1 for a row
                 with no token this step.
             block_tables: [B, M] int32/int64 block ids of each row's sequence, -1 unused.
-            max_context_len: at least the largest ``position + 1`` in the step; keys are
-                looked up for positions ``0 .. max_context_len - 1``.
+            max_context_len: at least the largest ``position + 1`` in the step; decode
+                tokens look their keys up for positions ``0 .. max_context_len - 1``.
             kv_cache: written at ``slot_mapping``, then read through ``block_tables``.
 
-        Each token attends to its sequence's keys at positions up to and including its own,
-        all read back from the cache (so earlier steps' K/V must be there). Returns logits
-        [B, vocab] of each row's last token; rows without a token get zeros.
+        Each token attends to its sequence's keys at positions up to and including its own.
+        Tokens of a row starting at position 0 (a prefill) use the step's own K/V; the others
+        read theirs back from the cache (so earlier steps' K/V must be there). Returns
+        logits [B, vocab] of each row's last token; rows without a token get zeros.
         """
-        block_size = kv_cache.block_size
-        key_positions = paddle.arange(max_context_len, dtype="int64").unsqueeze(0)
-        key_slots = slots_through_table(
-            paddle.gather(block_tables, token_rows),
-            key_positions.expand([input_ids.shape[0], max_context_len]),
-            block_size,
-        )  # [T, K]
-        # Causal and in-table keys only; hidden keys read slot 0 and get zero weight.
-        visible = (key_slots >= 0) & (key_positions <= positions.unsqueeze(1))
-        key_slots = paddle.where(visible, key_slots, paddle.zeros_like(key_slots))
-        visible = visible.unsqueeze(1).unsqueeze(1).unsqueeze(3)  # [T, 1, 1, 1, K]
+        layout = PrefillLayout(positions.numpy(), token_rows.numpy())
+        if layout.decode_tokens.size:
+            decode_positions, decode_rows = positions, token_rows
+            if layout.is_mixed:
+                decode_tokens = paddle.to_tensor(layout.decode_tokens.astype(np.int64))
+                decode_positions = paddle.gather(positions, decode_tokens)
+                decode_rows = paddle.gather(token_rows, decode_tokens)
+            key_positions = paddle.arange(max_context_len, dtype="int64").unsqueeze(0)
+            key_slots = slots_through_table(
+                paddle.gather(block_tables, decode_rows),
+                key_positions.expand([decode_rows.shape[0], max_context_len]),
+                kv_cache.block_size,
+            )  # [Td, K]
+            # Causal and in-table keys only; hidden keys read slot 0 and get zero weight.
+            visible = (key_slots >= 0) & (key_positions <= decode_positions.unsqueeze(1))
+            key_slots = paddle.where(visible, key_slots, paddle.zeros_like(key_slots))
+            visible = visible.unsqueeze(1).unsqueeze(1).unsqueeze(3)  # [Td, 1, 1, 1, K]
+
+        def padded(x: paddle.Tensor) -> paddle.Tensor:
+            """[T, heads, D] -> the prefill rows' tokens, [R, L, heads, D]."""
+            rows = paddle.gather(x, layout.padded_index)
+            return rows.reshape([layout.num_rows, layout.width, *x.shape[1:]])
 
         def paged_attention_for(layer: int) -> AttendFn:
             def attend(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> paddle.Tensor:
                 kv_cache.write(layer, slot_mapping, k, v)
-                keys, values = kv_cache.gather(layer, key_slots)  # [T, K, KVH, D] each
-                # Each token is its own query batch of one, over its own key set.
-                return self._grouped_attention(q.unsqueeze(1), keys, values, visible).squeeze(1)
+                outputs = []
+                if layout.num_rows:
+                    out = self._grouped_attention(padded(q), padded(k), padded(v), layout.causal)
+                    out = out.reshape([layout.num_rows * layout.width, -1])
+                    outputs.append(paddle.gather(out, layout.unpad_index))
+                if layout.decode_tokens.size:
+                    keys, values = kv_cache.gather(layer, key_slots)  # [Td, K, KVH, D] each
+                    # Each token is its own query batch of one, over its own key set.
+                    decode_q = paddle.gather(q, decode_tokens) if layout.is_mixed else q
+                    out = self._grouped_attention(decode_q.unsqueeze(1), keys, values, visible)
+                    outputs.append(out.squeeze(1))
+                if layout.is_mixed:
+                    return paddle.gather(paddle.concat(outputs), layout.restore_order)
+                return outputs[0]
 
             return attend
 
         hidden = self._run_layers(input_ids, positions, paged_attention_for)
         has_token = (last_token_index >= 0).unsqueeze(1)
         last_hidden = paddle.gather(hidden, paddle.clip(last_token_index, min=0))
-        logits = paddle.matmul(last_hidden, self.lm_head)
+        logits = self._logits(last_hidden)
         return paddle.where(has_token, logits, paddle.zeros_like(logits))

@@ -1,0 +1,174 @@
+"""A Hugging Face ``tokenizer.json`` (through the ``tokenizers`` package), its chat template,
+and a streaming detokenizer that emits text only once it is complete UTF-8."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer
+
+from .hf_config import CheckpointError
+
+__all__ = ["HFTokenizer", "IncrementalDetokenizer"]
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as ``tokenizer_config.json`` gives it: a string or ``{"content": ..}``."""
+    if isinstance(value, Mapping):
+        return value.get("content")
+    return value
+
+
+def _raise_template_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+class HFTokenizer:
+    """Encodes as ``transformers``' ``tokenizer(text)`` does and decodes back.
+
+    ``bos_token``/``eos_token`` are the strings of ``tokenizer_config.json`` (None if absent),
+    ``eos_id`` the id of ``eos_token`` (None if absent). ``chat_template`` is the Jinja source
+    or None.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.chat_template = chat_template
+        self.eos_id = None if eos_token is None else tokenizer.token_to_id(eos_token)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> HFTokenizer:
+        """Reads ``tokenizer.json``, plus ``tokenizer_config.json`` and ``chat_template.jinja``
+        where present (transformers writes the template to either)."""
+        path = Path(path)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise CheckpointError(
+                f"{path}: no tokenizer.json (only the `tokenizers` format is supported)"
+            )
+        try:
+            tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        except Exception as error:  # the Rust side raises plain Exception
+            raise CheckpointError(f"{tokenizer_file}: not a readable tokenizer: {error}") from None
+        config_file = path / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": .., "template": ..}]
+            template = {entry["name"]: entry["template"] for entry in template}.get("default")
+        template_file = path / "chat_template.jinja"
+        if template is None and template_file.is_file():
+            template = template_file.read_text()
+        return cls(
+            tokenizer,
+            bos_token=_token_text(config.get("bos_token")),
+            eos_token=_token_text(config.get("eos_token")),
+            chat_template=template,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce, added tokens included."""
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids of ``text``; ``add_special_tokens`` applies the checkpoint's own post-processor
+        (e.g. a leading BOS), as ``transformers``' ``tokenizer(text)`` does by default."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``; incomplete UTF-8 becomes U+FFFD (as ``transformers`` decodes)."""
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def detokenizer(
+        self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = False
+    ) -> IncrementalDetokenizer:
+        """A streaming decoder for a sequence that starts with ``prompt_ids`` (not emitted)."""
+        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """``messages`` ([{"role": .., "content": ..}, ..]) rendered with the chat template."""
+        if self.chat_template is None:
+            raise CheckpointError(
+                "chat template: the checkpoint has none (no 'chat_template' in "
+                "tokenizer_config.json and no chat_template.jinja)"
+            )
+        # As transformers renders it: a sandbox, block tags trimmed, raise_exception().
+        environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True
+        )
+        environment.globals["raise_exception"] = _raise_template_exception
+        template = environment.from_string(self.chat_template)
+        return template.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Prompt ids of a chat. The template writes its own special tokens (e.g. BOS), so
+        none are added on top, as ``transformers``' ``apply_chat_template`` does."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text pieces, each complete UTF-8.
+
+    As vLLM does: the new tokens are decoded together with a few tokens before them
+    (``prefix_offset``), since some decoders drop a leading space or join bytes across
+    tokens; a piece is emitted only when that text grew and does not end in U+FFFD, the
+    mark of a multi-byte character still cut short.
+    """
+
+    # Tokens of context before the unread ones (vLLM uses 5 too).
+    CONTEXT_TOKENS = 5
+
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        prompt_ids: Sequence[int] = (),
+        skip_special_tokens: bool = False,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids = [int(i) for i in prompt_ids]
+        self._read_offset = len(self._ids)
+        self._prefix_offset = max(0, self._read_offset - self.CONTEXT_TOKENS)
+
+    def _decode(self, start: int, stop: int) -> str:
+        return self._tokenizer.decode(self._ids[start:stop], self._skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """The text ``token_id`` completes ("" while a character is still cut short)."""
+        self._ids.append(int(token_id))
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        full_text = self._decode(self._prefix_offset, len(self._ids))
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return full_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """The text still held back at the end of the stream (U+FFFD for cut characters)."""
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        full_text = self._decode(self._prefix_offset, len(self._ids))
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return full_text[len(prefix_text) :]
