@@ -1,0 +1,267 @@
+"""The OpenAI-compatible HTTP API over an ``EngineLoop``.
+
+Handlers validate a request, tokenize it, submit it to the engine thread and relay its
+tokens: as server-sent events (``stream: true``, one chunk per token that completes
+text, then ``data: [DONE]``) or as one JSON body. A client that disconnects aborts its
+request, which returns its slot and KV blocks to the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+
+from .engine_loop import EngineLoop, RequestHandle, SamplingParams
+from .metrics import metrics_registry
+from .protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from .text_stream import TextStream
+
+__all__ = ["create_app"]
+
+# How often a non-streaming handler checks that its client is still there.
+_DISCONNECT_POLL_S = 0.5
+
+
+def create_app(loop: EngineLoop, tokenizer, model_name: str, max_model_len: int) -> FastAPI:
+    """The app; it starts ``loop``'s thread on startup and stops it on shutdown.
+
+    ``tokenizer`` needs ``encode(text)``, ``decode(ids)`` (special tokens skipped),
+    ``vocab_size`` and ``render_chat(messages)`` (the checkpoint's chat template; raises
+    ``ValueError`` when the checkpoint has none).
+    """
+    app = FastAPI(title="paddle_step", version="0.1.0")
+    registry = metrics_registry(loop)
+    app.add_event_handler("startup", loop.start)
+    app.add_event_handler("shutdown", loop.stop)
+    created = int(time.time())
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, error: ApiError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+        message = f"'{where}': {first.get('msg')}" if where else first.get("msg", "bad request")
+        if first.get("type") == "json_invalid":
+            message = f"malformed JSON body: {first.get('ctx', {}).get('error', message)}"
+        return JSONResponse(ApiError(message, param=where or None).body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request: Request, error: HTTPException) -> JSONResponse:
+        return JSONResponse(ApiError(str(error.detail), status=error.status_code).body(),
+                            status_code=error.status_code)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = loop.healthy
+        return JSONResponse({"status": "ok" if ok else "engine failed"},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": created,
+            "owned_by": "paddle_step", "max_model_len": max_model_len,
+        }]}
+
+    def prepare(body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int]
+                ) -> tuple[RequestHandle, TextStream]:
+        """Checks what depends on the model, then the handle and text stream."""
+        if body.model != model_name:
+            raise ApiError(f"'model': expected '{model_name}', got '{body.model}'",
+                           param="model", kind="model_not_found")
+        outside = [token for token in prompt_ids if not 0 <= token < tokenizer.vocab_size]
+        if outside:
+            raise ApiError(f"'prompt': token ids must be in [0, {tokenizer.vocab_size}), got "
+                           f"{outside[:5]}", param="prompt")
+        room = max_model_len - len(prompt_ids)
+        max_tokens = body.max_tokens if body.max_tokens is not None else room
+        if room < 1 or max_tokens > room:
+            raise ApiError(
+                f"the prompt ({len(prompt_ids)} tokens) plus 'max_tokens' ({max_tokens}) "
+                f"exceeds the model's context of {max_model_len} tokens", param="max_tokens")
+        params = SamplingParams(max_new_tokens=max_tokens, temperature=float(body.temperature),
+                                top_p=float(body.top_p), seed=body.seed,
+                                ignore_eos=body.ignore_eos)
+        return RequestHandle(prompt_ids, params), TextStream(tokenizer.decode, body.stop_strings())
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        body.check_ranges()
+        prompt = body.single_prompt()
+        prompt_ids = list(prompt) if isinstance(prompt, list) else tokenizer.encode(prompt)
+        handle, text = prepare(body, prompt_ids)
+        return await respond(request, body, handle, text, _CompletionFormat())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        body.check_ranges()
+        messages = [message.model_dump() for message in body.messages]
+        try:
+            prompt_ids = tokenizer.encode_chat(messages)
+        except ValueError as error:
+            raise ApiError(str(error), param="messages") from None
+        handle, text = prepare(body, prompt_ids)
+        return await respond(request, body, handle, text, _ChatFormat())
+
+    async def respond(request: Request, body, handle: RequestHandle, text: TextStream,
+                      fmt: _Format) -> Response:
+        loop.submit(handle)
+        fmt.start(model_name, len(handle.prompt_ids))
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_sse(loop, handle, text, fmt, include_usage),
+                                     media_type="text/event-stream")
+        pieces: list[str] = []
+        try:
+            async for piece in _relay(handle, text, fmt, request.is_disconnected):
+                pieces.append(piece)
+        finally:
+            _abort_unless_done(loop, handle)
+        if fmt.error is not None:
+            raise ApiError(fmt.error, status=500, kind="server_error")
+        return JSONResponse(fmt.whole("".join(pieces), fmt.finish_reason, text.num_tokens))
+
+    return app
+
+
+def _abort_unless_done(loop: EngineLoop, handle: RequestHandle) -> None:
+    if not handle.done:
+        loop.abort(handle)
+        handle.done = True
+
+
+async def _relay(handle: RequestHandle, text: TextStream, fmt: _Format,
+                 is_disconnected: Callable | None = None) -> AsyncIterator[str]:
+    """Text deltas of ``handle``'s request, until it ends; records on ``fmt`` why it ended
+    (``finish_reason``) or failed (``error``). With ``is_disconnected``, stops early once
+    the client has gone."""
+    while True:
+        if is_disconnected is None:
+            kind, value = await handle.events.get()
+        else:
+            try:
+                kind, value = await asyncio.wait_for(handle.events.get(), _DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await is_disconnected():
+                    return
+                continue
+        if kind == "token":
+            delta = text.add(value)
+            if text.stopped:  # a stop string ended the text: the request is done
+                fmt.finish_reason = "stop"
+                yield delta
+                return
+            if delta:
+                yield delta
+        elif kind == "finish":
+            handle.done = True
+            fmt.finish_reason = "length" if value == "length" else "stop"
+            yield text.finish()
+            return
+        else:
+            handle.done = True
+            fmt.error = value
+            return
+
+
+async def _sse(loop: EngineLoop, handle: RequestHandle, text: TextStream, fmt: _Format,
+               include_usage: bool) -> AsyncIterator[str]:
+    try:
+        first = fmt.first_chunk()
+        if first is not None:
+            yield _event(first)
+        async for delta in _relay(handle, text, fmt):
+            if delta:
+                yield _event(fmt.chunk(delta))
+        if fmt.error is not None:
+            yield _event(ApiError(fmt.error, status=500, kind="server_error").body())
+        else:
+            yield _event(fmt.chunk("", fmt.finish_reason))
+            if include_usage:
+                yield _event(fmt.usage_chunk(text.num_tokens))
+        yield "data: [DONE]\n\n"
+    finally:  # also when the client went away and the response was cancelled
+        _abort_unless_done(loop, handle)
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class _Format:
+    """The response objects of one endpoint (ids, chunks, the final body)."""
+
+    object_name = ""
+    id_prefix = ""
+
+    def start(self, model_name: str, prompt_tokens: int) -> None:
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model_name
+        self.prompt_tokens = prompt_tokens
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+
+    def usage(self, completion_tokens: int) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens}
+
+    def envelope(self, object_name: str, choices: list, **extra) -> dict:
+        return {"id": self.id, "object": object_name, "created": self.created,
+                "model": self.model, "choices": choices, **extra}
+
+    def first_chunk(self) -> dict | None:
+        return None
+
+    def usage_chunk(self, completion_tokens: int) -> dict:
+        return self.envelope(self.object_name, [], usage=self.usage(completion_tokens))
+
+
+class _CompletionFormat(_Format):
+    object_name = "text_completion"
+    id_prefix = "cmpl"
+
+    def chunk(self, delta: str, finish_reason: str | None = None) -> dict:
+        return self.envelope(self.object_name, [{"index": 0, "text": delta, "logprobs": None,
+                                                 "finish_reason": finish_reason}])
+
+    def whole(self, text: str, finish_reason: str, completion_tokens: int) -> dict:
+        return self.envelope(self.object_name, [{"index": 0, "text": text, "logprobs": None,
+                                                 "finish_reason": finish_reason}],
+                             usage=self.usage(completion_tokens))
+
+
+class _ChatFormat(_Format):
+    object_name = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def first_chunk(self) -> dict:
+        return self.chunk(None, role="assistant")
+
+    def chunk(self, delta: str | None, finish_reason: str | None = None, role=None) -> dict:
+        message = {"role": role} if role else ({"content": delta} if delta else {})
+        return self.envelope(self.object_name, [{"index": 0, "delta": message,
+                                                 "logprobs": None,
+                                                 "finish_reason": finish_reason}])
+
+    def whole(self, text: str, finish_reason: str, completion_tokens: int) -> dict:
+        return self.envelope("chat.completion", [{
+            "index": 0, "message": {"role": "assistant", "content": text},
+            "logprobs": None, "finish_reason": finish_reason,
+        }], usage=self.usage(completion_tokens))
