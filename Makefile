@@ -7,18 +7,17 @@ PYTHON ?= python3
 VENV ?= .venv
 # A GPU paddle works too, e.g. PADDLE_PACKAGE=paddlepaddle-gpu==2.6.2.
 PADDLE_PACKAGE ?= paddlepaddle==3.3.1
-PIP_PACKAGES = "$(PADDLE_PACKAGE)" numpy pytest "setuptools<70" hypothesis tqdm matplotlib \
-	safetensors tokenizers jinja2
 PY = $(VENV)/bin/python
 OP_SOURCES = setup_ops.py $(shell find ops python -type f \( -name '*.cc' -o -name '*.cu' -o -name '*.h' -o -name '*.py' \) 2>/dev/null)
 CUDA_HOME ?= /usr/local/cuda
 
 .PHONY: demo test build bench cuda-check gpu-test clean
 
-$(VENV)/.installed:
+# Reinstalls when either requirements file changes.
+$(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(PIP_PACKAGES)
+	$(PY) -m pip install --quiet "$(PADDLE_PACKAGE)" -r requirements-dev.txt
 	touch $@
 
 $(VENV)/.built: $(VENV)/.installed $(OP_SOURCES)

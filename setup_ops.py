@@ -26,6 +26,14 @@ OPS = os.path.join(ROOT, "ops")
 LIBRARY_NAME = "paddle_step_ops"
 
 
+def read_requirements(path):
+    with open(path) as lines:
+        return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+RUNTIME_REQUIREMENTS = read_requirements(os.path.join(ROOT, "requirements.txt"))
+
+
 def find_cuda_home():
     candidates = [os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
     nvcc_on_path = shutil.which("nvcc")
@@ -92,5 +100,5 @@ setup(
     package_dir={"": "python"},
     # Not paddle: it comes as paddlepaddle or paddlepaddle-gpu (one name per build), and
     # naming either would make pip replace the other; the build needs it installed anyway.
-    install_requires=["numpy"],
+    install_requires=RUNTIME_REQUIREMENTS,
 )

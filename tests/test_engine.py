@@ -280,3 +280,96 @@ def test_share_inputs_check_reports_a_planted_corruption():
     state.block_tables[1, 0] = pool_top  # a pool block also owned by slot 1
     with pytest.raises(StateError, match=f"block {pool_top}"):
         state.check()
+
+
+# ---------------------------------------------------------------- serving hooks
+
+
+def test_eos_list_and_ignore_eos(model: TinyLlama) -> None:
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    greedy = greedy_reference(model, [prompt], 12)[0]
+    stops = [greedy[5], greedy[2]]  # either ends the request: the earlier one does
+    first = min(greedy.index(token) for token in stops)
+    config = EngineConfig(max_batch=2, max_model_len=24, block_size=4, num_kv_blocks=24)
+    engine = Engine(model, config, eos_token_ids=stops)
+    [result] = engine.generate([prompt], 12)
+    assert (result.finish_reason, result.token_ids) == ("eos", greedy[: first + 1])
+    [ignored] = engine.generate([prompt], 12, eos_token_id=[])
+    assert (ignored.finish_reason, ignored.token_ids) == ("length", greedy)
+    with pytest.raises(ValueError, match="'eos_token_id': expected None, an id or at most 8"):
+        engine.add_request(prompt, 4, eos_token_id=list(range(9)))
+
+
+def test_last_step_tokens_stream_every_token(model: TinyLlama) -> None:
+    config = EngineConfig(
+        max_batch=6, max_model_len=32, block_size=4, num_kv_blocks=40, decoder_pool_ratio=0.2
+    )
+    engine = Engine(model, config)
+    prompts = [[1, 2, 3], [4] * 9, [7, 8], [9, 9, 9, 9], [5], [6, 6], [8] * 5]
+    ids = [engine.add_request(prompt, 20) for prompt in prompts]
+    streamed: dict[int, list[int]] = {request_id: [] for request_id in ids}
+    finished = {}
+    while engine.has_unfinished():
+        for result in engine.step():
+            finished[result.request_id] = result.token_ids
+        for request_id, token in engine.last_step_tokens:
+            streamed[request_id].append(token)
+    assert engine.stats.preemptions > 0  # a preempted request's stream goes on unbroken
+    assert streamed == finished
+
+
+def run_to_end(engine: Engine) -> dict[int, list[int]]:
+    tokens = {}
+    while engine.has_unfinished():
+        tokens.update((result.request_id, result.token_ids) for result in engine.step())
+    return tokens
+
+
+def test_seeded_request_samples_the_same_whatever_its_arrival(model: TinyLlama) -> None:
+    config = EngineConfig(max_batch=4, max_model_len=32, block_size=4, num_kv_blocks=64)
+    prompt = [5, 6, 7]
+    alone = Engine(model, config)
+    alone_id = alone.add_request(prompt, 12, temperature=0.9, seed=1234)
+    busy = Engine(model, config, seed=99)  # another engine seed, other requests first
+    for other in ([1], [2, 2], [3, 3, 3]):
+        busy.add_request(other, 5, temperature=0.9)
+    busy_id = busy.add_request(prompt, 12, temperature=0.9, seed=1234)
+    assert run_to_end(busy)[busy_id] == run_to_end(alone)[alone_id]
+
+
+@pytest.mark.parametrize("when", ["waiting", "after-prefill", "decoding", "preempted"])
+def test_abort_frees_slot_and_blocks(model: TinyLlama, when: str) -> None:
+    config = EngineConfig(
+        max_batch=6, max_model_len=32, block_size=4, num_kv_blocks=40, decoder_pool_ratio=0.2
+    )
+    engine = Engine(model, config, check_state=True)
+    prompts = [[1, 2, 3, 4, 5], [6] * 9, [7, 8], [9, 10, 11], [12, 13], [5], [6, 6], [8] * 5]
+    ids = [engine.add_request(prompt, 20) for prompt in prompts]
+    victim = ids[-1]
+    if when != "waiting":
+        victim = ids[1]
+        steps = {"after-prefill": 1, "decoding": 3}.get(when)
+        if steps is None:  # run until some request is preempted; abort that one
+            while not engine.num_preempted:
+                engine.step()
+            slot = int(np.flatnonzero(engine.scheduler.live & engine.scheduler.preempted)[0])
+            victim = int(engine.scheduler.slot_request_ids[slot])
+        else:
+            for _ in range(steps):
+                engine.step()
+    assert engine.abort(victim)
+    assert not engine.abort(victim)  # once
+    results = {}
+    while engine.has_unfinished():
+        results.update((r.request_id, r) for r in engine.step())
+        assert_blocks_conserved(engine)
+    assert results.get(victim) is None or results[victim].finish_reason == "abort"
+    if when == "waiting":
+        assert victim not in results
+    others = [request_id for request_id in ids if request_id != victim]
+    expected = greedy_reference(model, [prompts[ids.index(i)] for i in others], 20)
+    assert [results[i].token_ids for i in others] == expected
+    assert engine.num_active == 0 and engine.encoder_blocks.num_free == config.num_encoder_blocks
+    assert engine.free_decoder_blocks == config.num_decoder_blocks
+    assert int(engine.state.step_lens.numpy()[0]) == 0
+    assert not engine.abort(12345)

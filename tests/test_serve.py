@@ -30,10 +30,30 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-PROMPTS = ["Hello there", "The engine", "a b c d e f", "paged attention", "x", "Once upon",
-           "def f(x):", "0 1 2 3 4 5 6 7 8 9"]
-SERVER_ARGS = ["--dtype", "float64", "--max-batch", "16", "--block-size", "4",
-               "--max-model-len", "64", "--kv-blocks", "200", "--seed", "0"]
+PROMPTS = [
+    "Hello there",
+    "The engine",
+    "a b c d e f",
+    "paged attention",
+    "x",
+    "Once upon",
+    "def f(x):",
+    "0 1 2 3 4 5 6 7 8 9",
+]
+SERVER_ARGS = [
+    "--dtype",
+    "float64",
+    "--max-batch",
+    "16",
+    "--block-size",
+    "4",
+    "--max-model-len",
+    "64",
+    "--kv-blocks",
+    "200",
+    "--seed",
+    "0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +71,11 @@ def checkpoint(tmp_path_factory):
 @contextmanager
 def running_server(app, timeout_s: float = 30.0):
     """Serves ``app`` on 127.0.0.1 (a free port) in a thread; yields the base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                           timeout_graceful_shutdown=5))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=5
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout_s
@@ -80,7 +103,8 @@ def served(checkpoint):
 def offline(checkpoint):
     """Offline ``Engine.generate`` text for (prompt ids, max_tokens), same flags."""
     args = serve.parse_args(["--model", str(checkpoint), *SERVER_ARGS])
-    engine, tokenizer, _name = serve.build_engine(args)
+    engine, loaded = serve.build_engine(args)
+    tokenizer = loaded.tokenizer
     cache: dict = {}
 
     def text_of(prompt_ids: list[int], max_tokens: int) -> tuple[str, str, int]:
@@ -88,7 +112,8 @@ def offline(checkpoint):
         if key not in cache:
             [result] = engine.generate([prompt_ids], max_tokens)
             reason = "length" if result.finish_reason == "length" else "stop"
-            cache[key] = (tokenizer.decode(result.token_ids), reason, len(result.token_ids))
+            text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
+            cache[key] = (text, reason, len(result.token_ids))
         return cache[key]
 
     text_of.tokenizer = tokenizer
@@ -96,8 +121,9 @@ def offline(checkpoint):
 
 
 def client(base_url: str, **options):
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
-                         timeout=60, **options)
+    return openai.OpenAI(
+        base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60, **options
+    )
 
 
 def test_models_health_metrics(served):
@@ -106,9 +132,14 @@ def test_models_health_metrics(served):
     [model] = client(base_url).models.list().data
     assert model.id == "llama-tiny"
     metrics = httpx.get(f"{base_url}/metrics", timeout=10).text
-    for name in ("paddle_step_kv_free_blocks", "paddle_step_kv_total_blocks",
-                 "paddle_step_requests_running", "paddle_step_requests_waiting",
-                 "paddle_step_preemptions_total", "paddle_step_generated_tokens_total"):
+    for name in (
+        "paddle_step_kv_free_blocks",
+        "paddle_step_kv_total_blocks",
+        "paddle_step_requests_running",
+        "paddle_step_requests_waiting",
+        "paddle_step_preemptions_total",
+        "paddle_step_generated_tokens_total",
+    ):
         assert f"\n{name} " in metrics, name
 
 
@@ -119,15 +150,23 @@ def test_completion_equals_offline(served, offline, stream):
     for prompt in PROMPTS[:4]:
         expected, reason, count = offline(offline.tokenizer.encode(prompt), 12)
         if stream:
-            chunks = list(api.completions.create(model="llama-tiny", prompt=prompt,
-                                                 max_tokens=12, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
+            chunks = list(
+                api.completions.create(
+                    model="llama-tiny",
+                    prompt=prompt,
+                    max_tokens=12,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
             text = "".join(c.choices[0].text for c in chunks if c.choices)
             finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
             usage = chunks[-1].usage
         else:
-            response = api.completions.create(model="llama-tiny", prompt=prompt,
-                                               max_tokens=12, temperature=0)
+            response = api.completions.create(
+                model="llama-tiny", prompt=prompt, max_tokens=12, temperature=0
+            )
             text, finish = response.choices[0].text, response.choices[0].finish_reason
             usage = response.usage
         assert text == expected
@@ -144,14 +183,18 @@ def test_chat_equals_offline(served, offline, stream):
     expected, reason, _count = offline(prompt_ids, 10)
     api = client(base_url)
     if stream:
-        chunks = list(api.chat.completions.create(model="llama-tiny", messages=messages,
-                                                  max_tokens=10, temperature=0, stream=True))
+        chunks = list(
+            api.chat.completions.create(
+                model="llama-tiny", messages=messages, max_tokens=10, temperature=0, stream=True
+            )
+        )
         assert chunks[0].choices[0].delta.role == "assistant"
         text = "".join(c.choices[0].delta.content or "" for c in chunks)
         finish = chunks[-1].choices[0].finish_reason
     else:
-        response = api.chat.completions.create(model="llama-tiny", messages=messages,
-                                               max_tokens=10, temperature=0)
+        response = api.chat.completions.create(
+            model="llama-tiny", messages=messages, max_tokens=10, temperature=0
+        )
         text, finish = response.choices[0].message.content, response.choices[0].finish_reason
     assert (text, finish) == (expected, reason)
 
@@ -161,13 +204,19 @@ def test_stop_string_and_seeded_sampling(served, offline):
     api = client(base_url)
     full, _reason, _count = offline(offline.tokenizer.encode(PROMPTS[0]), 20)
     stop = full[5:8]
-    response = api.completions.create(model="llama-tiny", prompt=PROMPTS[0], max_tokens=20,
-                                      temperature=0, stop=[stop])
+    response = api.completions.create(
+        model="llama-tiny", prompt=PROMPTS[0], max_tokens=20, temperature=0, stop=[stop]
+    )
     assert response.choices[0].text == full[: full.index(stop)]
     assert response.choices[0].finish_reason == "stop"
-    sampled = [api.completions.create(model="llama-tiny", prompt=PROMPTS[1], max_tokens=16,
-                                      temperature=0.8, seed=1234).choices[0].text
-               for _ in range(2)]
+    sampled = [
+        api.completions.create(
+            model="llama-tiny", prompt=PROMPTS[1], max_tokens=16, temperature=0.8, seed=1234
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
     assert sampled[0] == sampled[1]
 
 
@@ -188,16 +237,24 @@ BAD_REQUESTS = [
 def test_bad_requests_get_400_and_server_keeps_serving(served, what, body, message):
     base_url, _loop = served
     if isinstance(body, dict):
-        response = httpx.post(f"{base_url}/v1/completions",
-                              json={"model": "llama-tiny", **body}, timeout=30)
+        response = httpx.post(
+            f"{base_url}/v1/completions", json={"model": "llama-tiny", **body}, timeout=30
+        )
     else:
-        response = httpx.post(f"{base_url}/v1/completions", content=body,
-                              headers={"content-type": "application/json"}, timeout=30)
+        response = httpx.post(
+            f"{base_url}/v1/completions",
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=30,
+        )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert message in error["message"] and error["type"] and error["code"] == 400
-    good = httpx.post(f"{base_url}/v1/completions",
-                      json={"model": "llama-tiny", "prompt": "hi", "max_tokens": 2}, timeout=30)
+    good = httpx.post(
+        f"{base_url}/v1/completions",
+        json={"model": "llama-tiny", "prompt": "hi", "max_tokens": 2},
+        timeout=30,
+    )
     assert good.status_code == 200
 
 
@@ -212,18 +269,24 @@ def test_concurrent_streams_with_cancellations(served, offline):
     """64 concurrent streaming clients, 400 requests, 20% closed mid-stream."""
     base_url, loop = served
     rng = random.Random(7)
-    plan = [(PROMPTS[rng.randrange(len(PROMPTS))], rng.randint(4, 24), rng.random() < 0.2)
-            for _ in range(400)]
+    plan = [
+        (PROMPTS[rng.randrange(len(PROMPTS))], rng.randint(4, 24), rng.random() < 0.2)
+        for _ in range(400)
+    ]
     expected = {(p, n): offline(offline.tokenizer.encode(p), n) for p, n, _ in plan}
-    api = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
-                             timeout=120, http_client=httpx.AsyncClient(
-                                 limits=httpx.Limits(max_connections=64)))
+    api = openai.AsyncOpenAI(
+        base_url=f"{base_url}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=120,
+        http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=64)),
+    )
 
     async def one(prompt, max_tokens, cancel, gate):
         async with gate:
-            stream = await api.completions.create(model="llama-tiny", prompt=prompt,
-                                                  max_tokens=max_tokens, temperature=0,
-                                                  stream=True)
+            stream = await api.completions.create(
+                model="llama-tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
+            )
             pieces, finish = [], None
             async for chunk in stream:
                 pieces.append(chunk.choices[0].text)
@@ -236,7 +299,8 @@ def test_concurrent_streams_with_cancellations(served, offline):
     async def run_all():
         gate = asyncio.Semaphore(64)
         return await asyncio.wait_for(
-            asyncio.gather(*(one(p, n, c, gate) for p, n, c in plan)), timeout=600)
+            asyncio.gather(*(one(p, n, c, gate) for p, n, c in plan)), timeout=600
+        )
 
     outcomes = asyncio.run(run_all())
     for (prompt, max_tokens, cancel), outcome in zip(plan, outcomes):
@@ -247,13 +311,16 @@ def test_concurrent_streams_with_cancellations(served, offline):
     # Cancelled requests must have given back their slot and blocks.
     deadline = time.monotonic() + 30
     while metric(base_url, "paddle_step_requests_running") or metric(
-            base_url, "paddle_step_requests_waiting"):
+        base_url, "paddle_step_requests_waiting"
+    ):
         assert time.monotonic() < deadline, "requests still held after every client left"
         time.sleep(0.1)
     assert metric(base_url, "paddle_step_kv_free_blocks") == metric(
-        base_url, "paddle_step_kv_total_blocks")
+        base_url, "paddle_step_kv_total_blocks"
+    )
     assert metric(base_url, "paddle_step_kv_encoder_free_blocks") == metric(
-        base_url, "paddle_step_kv_encoder_total_blocks")
+        base_url, "paddle_step_kv_encoder_total_blocks"
+    )
     assert loop.engine.num_active == 0
     loop.engine.state.check()
 
@@ -266,8 +333,12 @@ def free_port() -> int:
 
 def test_server_process_starts_and_answers_health():
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "paddle_step.serve", "--port", str(port)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "paddle_step.serve", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while True:

@@ -32,6 +32,7 @@ from .block_allocator import EncoderBlockAllocator
 from .check_state import StateError
 from .model import TinyLlama
 from .model_runner import ModelRunner, StepOutcome
+from .sampling import sampling_key
 from .scheduler import Scheduler
 from .sequence import GenerationResult, GenerationStats, Request
 from .state import EngineConfig, ShareInputs
@@ -46,9 +47,12 @@ class Engine:
     Args:
         model: the model; its parameters' place is where the state and cache live.
         config: batch slots, model length and KV-block budget.
-        tokenizer: gives the default eos token (``tokenizer.eos_id``); without one, requests
-            stop on eos only when given ``eos_token_id``.
-        seed: seeds temperature sampling (draws are keyed by request id and token index).
+        tokenizer: gives the default eos token (``tokenizer.eos_id``) when
+            ``eos_token_ids`` is not given.
+        eos_token_ids: the ids that end a request unless it says otherwise (a checkpoint's
+            ``eos_token_id`` list); default: the tokenizer's eos, or none.
+        seed: seeds temperature sampling of requests that bring no seed of their own
+            (draws are keyed by request id and token index).
         check_state: debug mode: validate the slot state (SPEC's invariants via
             ``check_state``, and prompt-block conservation) after every step.
     """
@@ -59,6 +63,7 @@ class Engine:
         config: EngineConfig,
         *,
         tokenizer: ByteTokenizer | None = None,
+        eos_token_ids: Sequence[int] | None = None,
         seed: int = 0,
         check_state: bool = False,
     ) -> None:
@@ -72,10 +77,16 @@ class Engine:
         self.seed = seed
         self.check_state = check_state
         self.scheduler = Scheduler(config)
-        self.runner = ModelRunner(model, config, seed)
+        self.runner = ModelRunner(model, config)
         self.stats = GenerationStats()
+        if eos_token_ids is None:
+            eos_token_ids = [tokenizer.eos_id] if tokenizer is not None else []
+        self.eos_token_ids = tuple(int(token) for token in eos_token_ids)
+        # (request id, token) of every token the last step generated, for streaming.
+        self.last_step_tokens: list[tuple[int, int]] = []
         self._next_request_id = 0
         self._step_lens = 0  # preempted slots after the previous step
+        self._decoder_blocks_in_use = 0
 
     @property
     def state(self) -> ShareInputs:
@@ -93,26 +104,34 @@ class Engine:
         self,
         prompt_ids: Sequence[int],
         max_new_tokens: int,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
         temperature: float = 0.0,
         top_p: float = 1.0,
+        *,
+        seed: int | None = None,
     ) -> int:
         """Queues a request and returns its id (0, 1, .. in submission order).
 
-        ``eos_token_id`` None means the tokenizer's eos (no eos stop without a tokenizer).
-        ``temperature`` 0 is greedy; otherwise tokens are sampled at that temperature from
-        the ``top_p`` nucleus. Raises ``ValueError`` for a request the engine could never
-        run (empty prompt, ids outside the vocabulary, prompt + max_new_tokens past
-        ``max_model_len``, more prompt blocks than the encoder region holds).
+        ``eos_token_id``: an id or a list of ids that end the request (``[]``: none, as
+        ``ignore_eos``); None means the engine's ``eos_token_ids``. ``temperature`` 0 is
+        greedy; otherwise tokens are sampled at that temperature from the ``top_p``
+        nucleus, with draws keyed by ``seed`` when given (the same seed gives the same
+        tokens whenever the request arrives). Raises ``ValueError`` for a request the
+        engine could never run (empty prompt, ids outside the vocabulary, prompt +
+        max_new_tokens past ``max_model_len``, more prompt blocks than the encoder region
+        holds).
         """
+        request_id = self._next_request_id
+        key = sampling_key(seed) if seed is not None else sampling_key(self.seed, request_id)
         request = Request.validated(
-            self._next_request_id,
+            request_id,
             prompt_ids,
             max_new_tokens,
             eos_token_id,
             temperature,
             top_p,
-            default_eos_token_id=self.tokenizer.eos_id if self.tokenizer is not None else -1,
+            sampling_key=key,
+            default_eos_token_ids=self.eos_token_ids,
             vocab_size=self.model.config.vocab_size,
             config=self.config,
         )
@@ -129,6 +148,48 @@ class Engine:
     def num_active(self) -> int:
         """Requests holding a slot (running or preempted)."""
         return int(self.scheduler.live.sum())
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding a slot and not preempted."""
+        scheduler = self.scheduler
+        return int((scheduler.live & ~scheduler.preempted).sum())
+
+    @property
+    def num_preempted(self) -> int:
+        """Requests preempted and waiting for recovery."""
+        return int((self.scheduler.live & self.scheduler.preempted).sum())
+
+    @property
+    def free_decoder_blocks(self) -> int:
+        """Blocks in the decoder pool after the last step (``free_list_len``)."""
+        return self.config.num_decoder_blocks - self._decoder_blocks_in_use
+
+    def abort(self, request_id: int) -> bool:
+        """Cancels a request; returns whether it was still unfinished.
+
+        A waiting request just leaves the queue. A request in a slot is stopped on the
+        device and finishes through the same path as any finished request: the next
+        ``step`` has ``step_paddle`` free its decoder blocks, then retires it (prompt
+        blocks and slot freed) with ``finish_reason`` ``"abort"``. Call between steps.
+        """
+        scheduler = self.scheduler
+        if scheduler.remove_waiting(request_id):
+            return True
+        slot = scheduler.slot_of(request_id)
+        if slot is None:
+            return False
+        request = scheduler.slot_requests[slot]
+        if request.aborted:
+            return False
+        request.aborted = True
+        preempted = bool(scheduler.preempted[slot])
+        self.runner.abort_slot(slot, preempted)
+        scheduler.running[slot] = False
+        if preempted:
+            scheduler.preempted[slot] = False
+            self._step_lens -= 1  # it left step_block_list without being recovered
+        return True
 
     def has_unfinished(self) -> bool:
         """Whether any request is waiting, running or preempted."""
@@ -158,6 +219,10 @@ class Engine:
         runner.advance_decode_inputs()
 
         outcome = runner.sync_host(ran, tokens)
+        rows = np.flatnonzero(outcome.ran)
+        self.last_step_tokens = list(
+            zip(scheduler.slot_request_ids[rows].tolist(), outcome.tokens[rows].tolist())
+        )
         scheduler.record(outcome)
         self._count(outcome)
         finished_slots = scheduler.finished_slots()
@@ -170,7 +235,8 @@ class Engine:
         self.stats.steps += 1
         self.stats.elapsed += time.perf_counter() - started
 
-        if not (admitted or ran_any or outcome.recovered) and self.has_unfinished():
+        progressed = admitted or ran_any or outcome.recovered or finished
+        if not progressed and self.has_unfinished():
             raise RuntimeError(scheduler.stall_reason())
         return finished
 
@@ -178,7 +244,7 @@ class Engine:
         self,
         prompts: Sequence[Sequence[int]],
         max_new_tokens: int | Sequence[int],
-        eos_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
         temperature: float = 0.0,
         top_p: float = 1.0,
         on_finished: Callable[[int], object] | None = None,
@@ -216,7 +282,7 @@ class Engine:
         scheduler = self.scheduler
         if not scheduler.any_sampling():
             return None
-        return self.runner.uniforms(scheduler.slot_request_ids, scheduler.step_idx + 1)
+        return self.runner.uniforms(scheduler.slot_sampling_keys, scheduler.step_idx + 1)
 
     def _count(self, outcome: StepOutcome) -> None:
         """Adds a step's tokens, preemptions, recoveries and block use to the stats."""
@@ -226,9 +292,10 @@ class Engine:
         # step_lens grows by the preempted and shrinks by the recovered.
         stats.preemptions += outcome.step_lens - self._step_lens + outcome.recovered
         self._step_lens = outcome.step_lens
-        decoder_in_use = self.config.num_decoder_blocks - outcome.free_list_len
+        self._decoder_blocks_in_use = self.config.num_decoder_blocks - outcome.free_list_len
         stats.peak_blocks_in_use = max(
-            stats.peak_blocks_in_use, self.encoder_blocks.num_allocated + decoder_in_use
+            stats.peak_blocks_in_use,
+            self.encoder_blocks.num_allocated + self._decoder_blocks_in_use,
         )
 
     def _check_invariants(self) -> None:

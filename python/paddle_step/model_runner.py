@@ -15,7 +15,7 @@ import paddle
 from .model import PagedKVCache, TinyLlama, build_flat_batch
 from .ops import advance_step, step_paddle
 from .sampling import sample_tokens, sampling_uniforms
-from .sequence import Request
+from .sequence import MAX_EOS_IDS, Request
 from .state import EngineConfig, ShareInputs
 
 __all__ = ["ModelRunner", "StepOutcome"]
@@ -39,10 +39,9 @@ class ModelRunner:
     """Runs ``model`` over the slot state of ``config``'s batch; the state and the KV cache
     live on Paddle's current device."""
 
-    def __init__(self, model: TinyLlama, config: EngineConfig, seed: int) -> None:
+    def __init__(self, model: TinyLlama, config: EngineConfig) -> None:
         self.model = model
         self.config = config
-        self.seed = seed
         self.state = ShareInputs(config)
         self.kv_cache = PagedKVCache.for_config(
             model.config, config.num_kv_blocks, config.block_size
@@ -84,7 +83,10 @@ class ModelRunner:
         write(state.block_tables, table_rows)
         write(state.used_list_len, 0)
         write(state.pre_ids, np.full((count, config.max_model_len), -1, dtype=np.int64))
-        write(state.eos_token_id, [r.eos_token_id for r in requests])
+        eos_rows = np.full((count, MAX_EOS_IDS), -1, dtype=np.int64)
+        for row, request in enumerate(requests):
+            eos_rows[row, : len(request.eos_token_ids)] = request.eos_token_ids
+        write(state.eos_token_ids, eos_rows)
         write(state.max_new_tokens, [r.max_new_tokens for r in requests])
         write(state.temperature, [r.temperature for r in requests])
         write(state.top_p, [r.top_p for r in requests])
@@ -115,9 +117,9 @@ class ModelRunner:
             batch[key] = paddle.where(is_decode, paddle.gather(prepared, rows), batch[key])
         return self.model.forward_paged(**batch, kv_cache=self.kv_cache)
 
-    def uniforms(self, request_ids: np.ndarray, token_index: np.ndarray) -> paddle.Tensor:
-        """This step's random draw per slot, keyed by request id and token index."""
-        draws = sampling_uniforms(self.seed, request_ids, token_index)
+    def uniforms(self, sampling_keys: np.ndarray, token_index: np.ndarray) -> paddle.Tensor:
+        """This step's random draw per slot, keyed by its request's key and token index."""
+        draws = sampling_uniforms(sampling_keys, token_index)
         return paddle.to_tensor(draws, place=self.state.place)
 
     def sample(self, logits: paddle.Tensor, uniforms: paddle.Tensor | None) -> paddle.Tensor:
@@ -138,9 +140,8 @@ class ModelRunner:
         state.step_idx.add_(ran_count)
         # add_request keeps prompt + max_new_tokens within max_model_len, so this stop
         # also keeps every pre_ids / input_ids write inside its row.
-        finished = paddle.logical_and(
-            ran, (tokens == state.eos_token_id) | (state.step_idx >= state.max_new_tokens)
-        )
+        is_eos = paddle.any(tokens.unsqueeze(1) == state.eos_token_ids, axis=1)
+        finished = paddle.logical_and(ran, is_eos | (state.step_idx >= state.max_new_tokens))
         # pre_ids[b, step_idx[b]] = token; rows that did not run write column 0, unread.
         column = (state.step_idx * ran_count).unsqueeze(1)
         state.pre_ids.put_along_axis_(column, tokens.unsqueeze(1), 1)
@@ -220,6 +221,30 @@ class ModelRunner:
             step_lens,
             free_list_len,
         )
+
+    def abort_slot(self, slot: int, preempted: bool) -> None:
+        """Stops ``slot``'s sequence so the next ``step_paddle`` frees it as a finished one.
+
+        A running slot is just stopped (its decoder blocks go back in the free phase). A
+        preempted one already gave its decoder blocks back: it leaves ``step_block_list``
+        and keeps no ``used_list_len``, so the free phase pushes nothing for it.
+        """
+        state = self.state
+        state.stop_flags.reshape([-1])[slot] = True
+        state.seq_lens_this_time.reshape([-1])[slot] = 0
+        if preempted:
+            state.is_block_step[slot] = False
+            state.used_list_len.reshape([-1])[slot] = 0
+            waiting = state.step_block_list.numpy().reshape(-1)
+            count = int(state.step_lens.numpy()[0])
+            kept = [entry for entry in waiting[:count].tolist() if entry != slot]
+            waiting[: len(kept)] = kept
+            waiting[len(kept) :] = -1
+            paddle.assign(
+                paddle.to_tensor(waiting.reshape(state.step_block_list.shape), place=state.place),
+                output=state.step_block_list,
+            )
+            state.step_lens[0] = len(kept)
 
     def clear_slots(self, slots: np.ndarray) -> None:
         """Drops retired slots' prompt blocks from their tables (step_paddle already

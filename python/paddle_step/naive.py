@@ -13,7 +13,7 @@ import numpy as np
 import paddle
 
 from .model import TinyLlama
-from .sampling import sample_tokens, sampling_uniforms
+from .sampling import sample_tokens, sampling_key, sampling_uniforms
 from .sequence import FINISH_EOS, FINISH_LENGTH, GenerationResult, GenerationStats
 
 __all__ = ["generate_naive"]
@@ -24,7 +24,7 @@ def generate_naive(
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int | Sequence[int],
     *,
-    eos_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
@@ -33,7 +33,8 @@ def generate_naive(
 ) -> tuple[list[GenerationResult], GenerationStats]:
     """Decodes ``prompts`` with ``model.forward_naive``, one token per request per step.
 
-    Stops like ``Engine``: on ``eos_token_id`` (None: no eos stop), after
+    Stops like ``Engine``: on ``eos_token_id`` (an id or a list of ids; None: no eos
+    stop), after
     ``max_new_tokens`` (one value or one per prompt), or when a sequence reaches
     ``max_model_len`` tokens. Request ``i`` draws its random numbers as the engine's
     request ``i`` does, so sampled outputs agree too. ``on_finished(n)`` is called after
@@ -52,6 +53,12 @@ def generate_naive(
             f"(one per prompt), got {len(limits)}"
         )
     prompts = [[int(token) for token in prompt] for prompt in prompts]
+    if eos_token_id is None:
+        stop_ids: set[int] = set()
+    elif isinstance(eos_token_id, (int, np.integer)):
+        stop_ids = {int(eos_token_id)}
+    else:
+        stop_ids = {int(token) for token in eos_token_id}
     generated: list[list[int]] = [[] for _ in prompts]
     reasons: list[str | None] = [None] * count
     stats = GenerationStats()
@@ -63,7 +70,8 @@ def generate_naive(
         uniforms = None
         if temperature > 0:
             token_index = np.array([len(generated[i]) + 1 for i in active])
-            uniforms = paddle.to_tensor(sampling_uniforms(seed, np.array(active), token_index))
+            keys = np.array([sampling_key(seed, i) for i in active], dtype=np.uint64)
+            uniforms = paddle.to_tensor(sampling_uniforms(keys, token_index))
         tokens = sample_tokens(
             logits,
             # float32, as the engine stores them, so both scale the logits identically.
@@ -75,7 +83,7 @@ def generate_naive(
         still_active = []
         for i, token in zip(active, tokens.tolist()):
             generated[i].append(token)
-            if eos_token_id is not None and token == eos_token_id:
+            if token in stop_ids:
                 reasons[i] = FINISH_EOS
             elif len(generated[i]) >= limits[i] or (
                 max_model_len is not None and len(prompts[i]) + len(generated[i]) >= max_model_len

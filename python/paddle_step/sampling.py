@@ -1,8 +1,10 @@
 """Token sampling shared by the engine and the naive reference.
 
-Random draws come from a counter-based generator keyed by (seed, request id, token index)
+Random draws come from a counter-based generator keyed by (request key, token index)
 rather than from a stream consumed step by step, so a request samples the same tokens
-whatever else shares its batch and whether or not it was preempted and recomputed.
+whatever else shares its batch and whether or not it was preempted and recomputed. A
+request's key comes from its own seed when it has one (so its output does not depend on
+its arrival order), else from the engine's seed and its request id.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import inspect
 import numpy as np
 import paddle
 
-__all__ = ["sample_tokens", "sampling_uniforms"]
+__all__ = ["sample_tokens", "sampling_key", "sampling_uniforms"]
 
 # paddle 2.6's argsort has no `stable`; its CPU sort is deterministic per row
 # all the same, which is what keeps engine and naive draws equal.
@@ -31,12 +33,18 @@ def _splitmix64(values: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def sampling_uniforms(seed: int, request_ids: np.ndarray, token_index: np.ndarray) -> np.ndarray:
-    """One float64 in [0, 1) per entry, a pure function of (seed, request id, token index)."""
-    request_ids = np.asarray(request_ids).astype(np.uint64)
+def sampling_key(seed: int, request_id: int = 0) -> int:
+    """The key of a request's draws: a mix of a seed and (for engine-seeded requests) the
+    request id."""
+    mixed = np.array([(seed & _MASK64) ^ (request_id & _MASK64)], dtype=np.uint64)
+    return int(_splitmix64(mixed)[0])
+
+
+def sampling_uniforms(keys: np.ndarray, token_index: np.ndarray) -> np.ndarray:
+    """One float64 in [0, 1) per entry, a pure function of (key, token index)."""
+    keys = np.asarray(keys).astype(np.uint64)
     token_index = np.asarray(token_index).astype(np.uint64)
-    key = _splitmix64(np.full(request_ids.shape, seed & _MASK64, dtype=np.uint64) ^ request_ids)
-    bits = _splitmix64(key ^ _splitmix64(token_index))
+    bits = _splitmix64(keys ^ _splitmix64(token_index))
     return (bits >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .block_allocator import EncoderBlockAllocator
-from .sequence import FINISH_EOS, FINISH_LENGTH, GenerationResult, Request
+from .sequence import FINISH_ABORT, FINISH_EOS, FINISH_LENGTH, GenerationResult, Request
 from .state import EngineConfig
 
 if TYPE_CHECKING:
@@ -27,8 +27,9 @@ class Scheduler:
     """Which request is in which slot, and which requests wait.
 
     Slot mirrors: ``live`` (holds a request, running or preempted), ``running`` (not
-    ``stop_flags``), ``preempted`` (``is_block_step``), ``step_idx``, the slot's request id
-    and whether it samples (temperature > 0); ``generated[b, k]`` is the k-th token
+    ``stop_flags``), ``preempted`` (``is_block_step``), ``step_idx``, the slot's request
+    id, its sampling key and whether it samples (temperature > 0); ``generated[b, k]`` is
+    the k-th token
     (1-based, like ``pre_ids``) of slot b's request.
     """
 
@@ -43,6 +44,7 @@ class Scheduler:
         self.preempted = np.zeros(batch, dtype=bool)
         self.step_idx = np.zeros(batch, dtype=np.int64)
         self.slot_request_ids = np.full(batch, -1, dtype=np.int64)
+        self.slot_sampling_keys = np.zeros(batch, dtype=np.uint64)
         self.slot_samples = np.zeros(batch, dtype=bool)
         self.generated = np.full((batch, config.max_model_len), -1, dtype=np.int64)
 
@@ -80,8 +82,22 @@ class Scheduler:
             self.running[slots] = True
             self.step_idx[slots] = 0
             self.slot_request_ids[slots] = [r.request_id for r in requests]
+            self.slot_sampling_keys[slots] = [r.sampling_key for r in requests]
             self.slot_samples[slots] = [r.temperature > 0 for r in requests]
         return slots
+
+    def slot_of(self, request_id: int) -> int | None:
+        """The slot holding ``request_id``, or None."""
+        slots = np.flatnonzero(self.live & (self.slot_request_ids == request_id))
+        return int(slots[0]) if slots.size else None
+
+    def remove_waiting(self, request_id: int) -> bool:
+        """Drops ``request_id`` from the queue; whether it was there."""
+        for request in self.waiting:
+            if request.request_id == request_id:
+                self.waiting.remove(request)
+                return True
+        return False
 
     def record(self, outcome: StepOutcome) -> None:
         """Takes in a step's results: tokens generated, slot flags, step_idx."""
@@ -101,9 +117,12 @@ class Scheduler:
         for slot in slots.tolist():
             request = self.slot_requests[slot]
             token_ids = self.generated[slot, 1 : self.step_idx[slot] + 1].tolist()
-            reason = (
-                FINISH_EOS if token_ids and token_ids[-1] == request.eos_token_id else FINISH_LENGTH
-            )
+            if request.aborted:
+                reason = FINISH_ABORT
+            elif token_ids and token_ids[-1] in request.eos_token_ids:
+                reason = FINISH_EOS
+            else:
+                reason = FINISH_LENGTH
             results.append(
                 GenerationResult(request.request_id, request.prompt_ids, token_ids, reason)
             )

@@ -13,16 +13,27 @@ if TYPE_CHECKING:
 
     from .state import EngineConfig
 
-__all__ = ["FINISH_EOS", "FINISH_LENGTH", "GenerationResult", "GenerationStats", "Request"]
+__all__ = [
+    "FINISH_ABORT",
+    "FINISH_EOS",
+    "FINISH_LENGTH",
+    "MAX_EOS_IDS",
+    "GenerationResult",
+    "GenerationStats",
+    "Request",
+    "normalize_eos",
+]
 
 FINISH_EOS = "eos"
 FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
 
 
 @dataclass
 class GenerationResult:
     """One finished request: its prompt, the tokens generated (an eos token included) and
-    why it stopped: ``"eos"`` or ``"length"`` (``max_new_tokens`` or the model length)."""
+    why it stopped: ``"eos"``, ``"length"`` (``max_new_tokens`` or the model length) or
+    ``"abort"`` (``Engine.abort``)."""
 
     request_id: int
     prompt_ids: list[int]
@@ -65,17 +76,44 @@ class GenerationStats:
         return {**asdict(self), "tokens_per_s": self.tokens_per_s}
 
 
+# Room for each slot's stop ids on the device (Llama 3 checkpoints list three).
+MAX_EOS_IDS = 8
+
+
+def normalize_eos(
+    eos: int | Sequence[int] | None, default: tuple[int, ...], vocab_size: int
+) -> tuple[int, ...]:
+    """The stop ids of a request: ``None`` means ``default``; an int or a sequence of
+    ints (empty: no eos stop) is checked against the vocabulary."""
+    if eos is None:
+        return tuple(default)
+    ids = (int(eos),) if isinstance(eos, (int, np.integer)) else tuple(int(i) for i in eos)
+    outside = [token for token in ids if not 0 <= token < vocab_size]
+    if outside or len(ids) > MAX_EOS_IDS:
+        raise ValueError(
+            f"add_request: argument 'eos_token_id': expected None, an id or at most "
+            f"{MAX_EOS_IDS} ids in [0, {vocab_size}), got {eos!r}"
+        )
+    return ids
+
+
 @dataclass
 class Request:
-    """A validated request; ``encoder_blocks`` are its prompt blocks once admitted."""
+    """A validated request; ``encoder_blocks`` are its prompt blocks once admitted.
+
+    ``sampling_key`` keys its random draws (see ``sampling.sampling_uniforms``): from the
+    request's own seed when it gave one, else from the engine's seed and its id.
+    """
 
     request_id: int
     prompt_ids: list[int]
     max_new_tokens: int
-    eos_token_id: int  # -1: no eos stop
+    eos_token_ids: tuple[int, ...]  # empty: no eos stop
     temperature: float
     top_p: float
+    sampling_key: int
     encoder_blocks: list[int] = field(default_factory=list)
+    aborted: bool = False
 
     @classmethod
     def validated(
@@ -83,19 +121,20 @@ class Request:
         request_id: int,
         prompt_ids: Sequence[int],
         max_new_tokens: int,
-        eos_token_id: int | None,
+        eos_token_id: int | Sequence[int] | None,
         temperature: float,
         top_p: float,
         *,
-        default_eos_token_id: int,
+        sampling_key: int,
+        default_eos_token_ids: tuple[int, ...],
         vocab_size: int,
         config: EngineConfig,
     ) -> Request:
         """The request ``Engine.add_request`` was asked for (``eos_token_id`` None:
-        ``default_eos_token_id``, where -1 means no eos stop). Raises ``ValueError`` for one
-        the engine could never run (empty prompt, ids outside the vocabulary, prompt +
-        max_new_tokens past ``max_model_len``, more prompt blocks than the encoder region
-        holds) or a bad sampling parameter."""
+        ``default_eos_token_ids``). Raises ``ValueError`` for one the engine could never
+        run (empty prompt, ids outside the vocabulary, prompt + max_new_tokens past
+        ``max_model_len``, more prompt blocks than the encoder region holds) or a bad
+        sampling parameter."""
         prompt = [int(token) for token in prompt_ids]
         max_len = config.max_model_len
         if not prompt:
@@ -124,13 +163,7 @@ class Request:
                 f"add_request: a prompt of {len(prompt)} tokens needs {needed} encoder blocks, "
                 f"expected <= {config.num_encoder_blocks} (the encoder region)"
             )
-        if eos_token_id is None:
-            eos_token_id = default_eos_token_id
-        elif not 0 <= eos_token_id < vocab_size:
-            raise ValueError(
-                f"add_request: argument 'eos_token_id': expected None or an id in "
-                f"[0, {vocab_size}), got {eos_token_id!r}"
-            )
+        eos_token_ids = normalize_eos(eos_token_id, default_eos_token_ids, vocab_size)
         if not temperature >= 0.0:
             raise ValueError(
                 f"add_request: argument 'temperature': expected >= 0, got {temperature!r}"
@@ -141,7 +174,8 @@ class Request:
             request_id,
             prompt,
             int(max_new_tokens),
-            int(eos_token_id),
+            eos_token_ids,
             float(temperature),
             float(top_p),
+            sampling_key,
         )

@@ -26,11 +26,17 @@ class ByteTokenizer:
         ids = list(text.encode("utf-8"))
         return [self.bos_id, *ids] if add_bos else ids
 
-    def decode(self, ids: Iterable[int]) -> str:
-        """Return the text of the byte ids in ``ids``, skipping special tokens.
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Return the text of the byte ids in ``ids``. Special tokens have no text, so
+        they are always skipped (``skip_special_tokens`` exists for ``HFTokenizer``'s
+        signature).
 
         Bytes that are not valid UTF-8 (e.g. a multi-byte character cut by generation) become
         U+FFFD instead of raising.
         """
         data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
         return data.decode("utf-8", errors="replace")
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Raises ``ValueError``: the byte tokenizer has no chat template."""
+        raise ValueError("this model's tokenizer has no chat template (byte tokenizer)")

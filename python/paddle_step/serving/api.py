@@ -34,8 +34,8 @@ _DISCONNECT_POLL_S = 0.5
 def create_app(loop: EngineLoop, tokenizer, model_name: str, max_model_len: int) -> FastAPI:
     """The app; it starts ``loop``'s thread on startup and stops it on shutdown.
 
-    ``tokenizer`` needs ``encode(text)``, ``decode(ids)`` (special tokens skipped),
-    ``vocab_size`` and ``render_chat(messages)`` (the checkpoint's chat template; raises
+    ``tokenizer`` needs ``encode(text)``, ``decode(ids, skip_special_tokens)``,
+    ``vocab_size`` and ``encode_chat(messages)`` (the checkpoint's chat template; raises
     ``ValueError`` when the checkpoint has none).
     """
     app = FastAPI(title="paddle_step", version="0.1.0")
@@ -59,14 +59,17 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str, max_model_len: int)
 
     @app.exception_handler(HTTPException)
     async def http_error(_request: Request, error: HTTPException) -> JSONResponse:
-        return JSONResponse(ApiError(str(error.detail), status=error.status_code).body(),
-                            status_code=error.status_code)
+        return JSONResponse(
+            ApiError(str(error.detail), status=error.status_code).body(),
+            status_code=error.status_code,
+        )
 
     @app.get("/health")
     async def health() -> JSONResponse:
         ok = loop.healthy
-        return JSONResponse({"status": "ok" if ok else "engine failed"},
-                            status_code=200 if ok else 503)
+        return JSONResponse(
+            {"status": "ok" if ok else "engine failed"}, status_code=200 if ok else 503
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -74,31 +77,54 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str, max_model_len: int)
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": created,
-            "owned_by": "paddle_step", "max_model_len": max_model_len,
-        }]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "paddle_step",
+                    "max_model_len": max_model_len,
+                }
+            ],
+        }
 
-    def prepare(body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int]
-                ) -> tuple[RequestHandle, TextStream]:
+    def prepare(
+        body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int]
+    ) -> tuple[RequestHandle, TextStream]:
         """Checks what depends on the model, then the handle and text stream."""
         if body.model != model_name:
-            raise ApiError(f"'model': expected '{model_name}', got '{body.model}'",
-                           param="model", kind="model_not_found")
+            raise ApiError(
+                f"'model': expected '{model_name}', got '{body.model}'",
+                param="model",
+                kind="model_not_found",
+            )
         outside = [token for token in prompt_ids if not 0 <= token < tokenizer.vocab_size]
         if outside:
-            raise ApiError(f"'prompt': token ids must be in [0, {tokenizer.vocab_size}), got "
-                           f"{outside[:5]}", param="prompt")
+            raise ApiError(
+                f"'prompt': token ids must be in [0, {tokenizer.vocab_size}), got {outside[:5]}",
+                param="prompt",
+            )
         room = max_model_len - len(prompt_ids)
         max_tokens = body.max_tokens if body.max_tokens is not None else room
         if room < 1 or max_tokens > room:
             raise ApiError(
                 f"the prompt ({len(prompt_ids)} tokens) plus 'max_tokens' ({max_tokens}) "
-                f"exceeds the model's context of {max_model_len} tokens", param="max_tokens")
-        params = SamplingParams(max_new_tokens=max_tokens, temperature=float(body.temperature),
-                                top_p=float(body.top_p), seed=body.seed,
-                                ignore_eos=body.ignore_eos)
-        return RequestHandle(prompt_ids, params), TextStream(tokenizer.decode, body.stop_strings())
+                f"exceeds the model's context of {max_model_len} tokens",
+                param="max_tokens",
+            )
+        params = SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=float(body.temperature),
+            top_p=float(body.top_p),
+            seed=body.seed,
+            ignore_eos=body.ignore_eos,
+        )
+        text = TextStream(
+            lambda ids: tokenizer.decode(ids, skip_special_tokens=True), body.stop_strings()
+        )
+        return RequestHandle(prompt_ids, params), text
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -119,14 +145,16 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str, max_model_len: int)
         handle, text = prepare(body, prompt_ids)
         return await respond(request, body, handle, text, _ChatFormat())
 
-    async def respond(request: Request, body, handle: RequestHandle, text: TextStream,
-                      fmt: _Format) -> Response:
+    async def respond(
+        request: Request, body, handle: RequestHandle, text: TextStream, fmt: _Format
+    ) -> Response:
         loop.submit(handle)
         fmt.start(model_name, len(handle.prompt_ids))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_sse(loop, handle, text, fmt, include_usage),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                _sse(loop, handle, text, fmt, include_usage), media_type="text/event-stream"
+            )
         pieces: list[str] = []
         try:
             async for piece in _relay(handle, text, fmt, request.is_disconnected):
@@ -146,8 +174,9 @@ def _abort_unless_done(loop: EngineLoop, handle: RequestHandle) -> None:
         handle.done = True
 
 
-async def _relay(handle: RequestHandle, text: TextStream, fmt: _Format,
-                 is_disconnected: Callable | None = None) -> AsyncIterator[str]:
+async def _relay(
+    handle: RequestHandle, text: TextStream, fmt: _Format, is_disconnected: Callable | None = None
+) -> AsyncIterator[str]:
     """Text deltas of ``handle``'s request, until it ends; records on ``fmt`` why it ended
     (``finish_reason``) or failed (``error``). With ``is_disconnected``, stops early once
     the client has gone."""
@@ -157,7 +186,7 @@ async def _relay(handle: RequestHandle, text: TextStream, fmt: _Format,
         else:
             try:
                 kind, value = await asyncio.wait_for(handle.events.get(), _DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if await is_disconnected():
                     return
                 continue
@@ -180,8 +209,9 @@ async def _relay(handle: RequestHandle, text: TextStream, fmt: _Format,
             return
 
 
-async def _sse(loop: EngineLoop, handle: RequestHandle, text: TextStream, fmt: _Format,
-               include_usage: bool) -> AsyncIterator[str]:
+async def _sse(
+    loop: EngineLoop, handle: RequestHandle, text: TextStream, fmt: _Format, include_usage: bool
+) -> AsyncIterator[str]:
     try:
         first = fmt.first_chunk()
         if first is not None:
@@ -219,12 +249,21 @@ class _Format:
         self.error: str | None = None
 
     def usage(self, completion_tokens: int) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": self.prompt_tokens + completion_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+        }
 
     def envelope(self, object_name: str, choices: list, **extra) -> dict:
-        return {"id": self.id, "object": object_name, "created": self.created,
-                "model": self.model, "choices": choices, **extra}
+        return {
+            "id": self.id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
 
     def first_chunk(self) -> dict | None:
         return None
@@ -238,13 +277,17 @@ class _CompletionFormat(_Format):
     id_prefix = "cmpl"
 
     def chunk(self, delta: str, finish_reason: str | None = None) -> dict:
-        return self.envelope(self.object_name, [{"index": 0, "text": delta, "logprobs": None,
-                                                 "finish_reason": finish_reason}])
+        return self.envelope(
+            self.object_name,
+            [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}],
+        )
 
     def whole(self, text: str, finish_reason: str, completion_tokens: int) -> dict:
-        return self.envelope(self.object_name, [{"index": 0, "text": text, "logprobs": None,
-                                                 "finish_reason": finish_reason}],
-                             usage=self.usage(completion_tokens))
+        return self.envelope(
+            self.object_name,
+            [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            usage=self.usage(completion_tokens),
+        )
 
 
 class _ChatFormat(_Format):
@@ -256,12 +299,21 @@ class _ChatFormat(_Format):
 
     def chunk(self, delta: str | None, finish_reason: str | None = None, role=None) -> dict:
         message = {"role": role} if role else ({"content": delta} if delta else {})
-        return self.envelope(self.object_name, [{"index": 0, "delta": message,
-                                                 "logprobs": None,
-                                                 "finish_reason": finish_reason}])
+        return self.envelope(
+            self.object_name,
+            [{"index": 0, "delta": message, "logprobs": None, "finish_reason": finish_reason}],
+        )
 
     def whole(self, text: str, finish_reason: str, completion_tokens: int) -> dict:
-        return self.envelope("chat.completion", [{
-            "index": 0, "message": {"role": "assistant", "content": text},
-            "logprobs": None, "finish_reason": finish_reason,
-        }], usage=self.usage(completion_tokens))
+        return self.envelope(
+            "chat.completion",
+            [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": None,
+                    "finish_reason": finish_reason,
+                }
+            ],
+            usage=self.usage(completion_tokens),
+        )

@@ -61,8 +61,7 @@ class EngineLoop:
         self._wakeup = threading.Event()
         self._stopping = False
         self._handles: dict[int, tuple[RequestHandle, asyncio.AbstractEventLoop]] = {}
-        self._thread = threading.Thread(target=self._run, name="paddle_step-engine",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="paddle_step-engine", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -127,9 +126,12 @@ class EngineLoop:
         params = handle.params
         try:
             request_id = self.engine.add_request(
-                handle.prompt_ids, params.max_new_tokens,
-                eos_token_ids=[] if params.ignore_eos else None,
-                temperature=params.temperature, top_p=params.top_p, seed=params.seed,
+                handle.prompt_ids,
+                params.max_new_tokens,
+                eos_token_id=[] if params.ignore_eos else None,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                seed=params.seed,
             )
         except ValueError as error:  # the handler checked; the engine has the last word
             _deliver(handle, event_loop, ("error", str(error)))

@@ -24,24 +24,39 @@ class _EngineCollector(Collector):
         engine = self.loop.engine
         config = engine.config
         gauges = (
-            ("kv_free_blocks", "Decoder-pool KV blocks free (step_paddle's free_list_len)",
-             engine.free_decoder_blocks),
+            (
+                "kv_free_blocks",
+                "Decoder-pool KV blocks free (step_paddle's free_list_len)",
+                engine.free_decoder_blocks,
+            ),
             ("kv_total_blocks", "Decoder-pool KV blocks in all", config.num_decoder_blocks),
-            ("kv_encoder_free_blocks", "Prompt (encoder) KV blocks free",
-             engine.encoder_blocks.num_free),
-            ("kv_encoder_total_blocks", "Prompt (encoder) KV blocks in all",
-             config.num_encoder_blocks),
-            ("requests_running", "Requests holding a slot and not preempted",
-             engine.num_running),
-            ("requests_waiting", "Requests queued or preempted", engine.num_waiting
-             + engine.num_preempted),
+            (
+                "kv_encoder_free_blocks",
+                "Prompt (encoder) KV blocks free",
+                engine.encoder_blocks.num_free,
+            ),
+            (
+                "kv_encoder_total_blocks",
+                "Prompt (encoder) KV blocks in all",
+                config.num_encoder_blocks,
+            ),
+            ("requests_running", "Requests holding a slot and not preempted", engine.num_running),
+            (
+                "requests_waiting",
+                "Requests queued or preempted",
+                engine.num_waiting + engine.num_preempted,
+            ),
         )
         for name, documentation, value in gauges:
             yield GaugeMetricFamily(f"paddle_step_{name}", documentation, value=value)
-        yield CounterMetricFamily("paddle_step_preemptions", "Sequences preempted by step_paddle",
-                                  value=self.loop.preemptions)
-        yield CounterMetricFamily("paddle_step_generated_tokens", "Tokens generated",
-                                  value=self.loop.generated_tokens)
+        yield CounterMetricFamily(
+            "paddle_step_preemptions",
+            "Sequences preempted by step_paddle",
+            value=self.loop.preemptions,
+        )
+        yield CounterMetricFamily(
+            "paddle_step_generated_tokens", "Tokens generated", value=self.loop.generated_tokens
+        )
 
 
 def metrics_registry(loop: EngineLoop) -> CollectorRegistry:

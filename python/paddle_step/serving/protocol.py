@@ -17,8 +17,13 @@ __all__ = ["ApiError", "ChatCompletionRequest", "ChatMessage", "CompletionReques
 class ApiError(Exception):
     """An error answered as OpenAI's ``{"error": {"message", "type", "code"}}``."""
 
-    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error",
-                 param: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
@@ -26,8 +31,14 @@ class ApiError(Exception):
         self.param = param
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.status}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
 
 
 Number = StrictInt | StrictFloat
@@ -60,8 +71,7 @@ class _SamplingFields(BaseModel):
             return []
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if any(not stop for stop in stops):
-            raise ApiError("'stop': expected non-empty strings, got an empty string",
-                           param="stop")
+            raise ApiError("'stop': expected non-empty strings, got an empty string", param="stop")
         return stops
 
     def check_ranges(self) -> None:
@@ -69,20 +79,30 @@ class _SamplingFields(BaseModel):
         if self.n != 1:
             raise ApiError(f"'n': only n = 1 is supported, got {self.n}", param="n")
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ApiError(f"'max_tokens': expected an integer >= 1, got {self.max_tokens}",
-                           param="max_tokens")
+            raise ApiError(
+                f"'max_tokens': expected an integer >= 1, got {self.max_tokens}", param="max_tokens"
+            )
         if not 0.0 <= self.temperature <= 2.0:
-            raise ApiError(f"'temperature': expected a number in [0, 2], got {self.temperature}",
-                           param="temperature")
+            raise ApiError(
+                f"'temperature': expected a number in [0, 2], got {self.temperature}",
+                param="temperature",
+            )
         if not 0.0 < self.top_p <= 1.0:
-            raise ApiError(f"'top_p': expected a number in (0, 1], got {self.top_p}",
-                           param="top_p")
-        for name in ("logprobs", "top_logprobs", "best_of", "suffix", "echo", "tools",
-                     "functions", "logit_bias", "response_format"):
+            raise ApiError(f"'top_p': expected a number in (0, 1], got {self.top_p}", param="top_p")
+        for name in (
+            "logprobs",
+            "top_logprobs",
+            "best_of",
+            "suffix",
+            "echo",
+            "tools",
+            "functions",
+            "logit_bias",
+            "response_format",
+        ):
             value = (self.model_extra or {}).get(name)
             if value not in (None, False, 1 if name == "best_of" else None):
-                raise ApiError(f"'{name}': not supported by this server, got {value!r}",
-                               param=name)
+                raise ApiError(f"'{name}': not supported by this server, got {value!r}", param=name)
 
 
 class CompletionRequest(_SamplingFields):
@@ -94,12 +114,16 @@ class CompletionRequest(_SamplingFields):
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
-                raise ApiError(f"'prompt': one prompt per request is supported, got a list of "
-                               f"{len(prompt)}", param="prompt")
+                raise ApiError(
+                    f"'prompt': one prompt per request is supported, got a list of {len(prompt)}",
+                    param="prompt",
+                )
             prompt = prompt[0]
         if not prompt:
-            raise ApiError("'prompt': expected a non-empty string or token list, got an "
-                           "empty one", param="prompt")
+            raise ApiError(
+                "'prompt': expected a non-empty string or token list, got an empty one",
+                param="prompt",
+            )
         return prompt
 
 

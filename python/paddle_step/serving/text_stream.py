@@ -65,6 +65,6 @@ class TextStream:
 
     def _take(self, end: int) -> str:
         end = max(end, self._emitted)
-        delta = self._text[self._emitted:end]
+        delta = self._text[self._emitted : end]
         self._emitted = end
         return delta

@@ -1,0 +1,183 @@
+"""The engine's command-line flags, shared by ``examples/generate.py`` and
+``python -m paddle_step.serve``, and how they become a model and an ``Engine``.
+
+``--model`` names a Hugging Face checkpoint directory (default: the small model shipped
+in the package), or ``random`` for a random-weight ``TinyLlama`` with the byte tokenizer.
+``--max-model-len`` defaults to the model's context; when the KV budget cannot hold one
+sequence that long, it is reduced to what fits and a line on stderr says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .state import EngineConfig
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "LoadedModel",
+    "add_engine_arguments",
+    "build_engine",
+    "engine_config",
+    "load_model",
+]
+
+DEFAULT_MODEL = Path(__file__).parent / "models" / "pydoc-tiny"
+RANDOM_MODEL = "random"
+# The random TinyLlama has no context of its own; this one keeps its demo quick.
+RANDOM_MODEL_CONTEXT = 256
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model with what serving it needs: its tokenizer, stop ids, context and name."""
+
+    model: object  # TinyLlama
+    tokenizer: object  # HFTokenizer or ByteTokenizer
+    eos_token_ids: list[int]
+    context_len: int
+    name: str
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the model and engine flags to ``parser``."""
+    group = parser.add_argument_group("model and engine")
+    group.add_argument(
+        "--model",
+        default=str(DEFAULT_MODEL),
+        help="a Hugging Face checkpoint directory (Llama, Mistral, Qwen2), or 'random' for "
+        "a random-weight TinyLlama with a byte tokenizer (default: the shipped model)",
+    )
+    group.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    group.add_argument("--max-batch", type=int, default=4, help="batch slots")
+    group.add_argument("--block-size", type=int, default=8, help="tokens per KV block")
+    group.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest sequence, prompt plus generated tokens (default: the model's "
+        "context, reduced to what the KV budget holds)",
+    )
+    group.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=None,
+        help="total KV blocks (default: enough for every slot to hold a full-length "
+        "sequence, so nothing is preempted; fewer forces preemption)",
+    )
+    group.add_argument(
+        "--decoder-pool-ratio",
+        type=float,
+        default=0.5,
+        help="share of the KV blocks that form the decoder pool; the rest hold prompts",
+    )
+    group.add_argument("--seed", type=int, default=0, help="sampling (and random weights)")
+    group.add_argument(
+        "--check-state",
+        action="store_true",
+        help="debug: validate the engine state after every step",
+    )
+
+
+def check_engine_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``parser.error`` for flag values no engine can take."""
+    if not 0 < args.decoder_pool_ratio < 1:
+        parser.error(f"--decoder-pool-ratio: expected in (0, 1), got {args.decoder_pool_ratio}")
+    for name in ("max_batch", "block_size", "max_model_len", "kv_blocks"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            parser.error(f"--{name.replace('_', '-')}: expected > 0, got {value}")
+
+
+def load_model(args: argparse.Namespace) -> LoadedModel:
+    """The model ``--model`` names, in ``--dtype``. Raises ``CheckpointError`` (a
+    ``ValueError``) for a checkpoint it cannot load."""
+    if args.model == RANDOM_MODEL:
+        from .model import ModelConfig, TinyLlama
+        from .tokenizer import ByteTokenizer
+
+        tokenizer = ByteTokenizer()
+        model = TinyLlama(ModelConfig(dtype=args.dtype, seed=args.seed))
+        return LoadedModel(model, tokenizer, [tokenizer.eos_id], RANDOM_MODEL_CONTEXT, "random")
+    from .checkpoint import load_checkpoint
+
+    loaded = load_checkpoint(args.model, dtype=args.dtype)
+    return LoadedModel(
+        loaded.model,
+        loaded.tokenizer,
+        list(loaded.eos_token_ids),
+        loaded.max_model_len,
+        loaded.name,
+    )
+
+
+def engine_config(args: argparse.Namespace, context_len: int) -> EngineConfig:
+    """The ``EngineConfig`` of the flags for a model of ``context_len`` tokens.
+
+    Raises ``ValueError`` when ``--max-model-len`` exceeds the context, or when the KV
+    budget cannot hold even the shortest sequence.
+    """
+    block_size = args.block_size
+    wanted = args.max_model_len if args.max_model_len is not None else context_len
+    if wanted > context_len:
+        raise ValueError(
+            f"--max-model-len: expected at most the model's context ({context_len}), got {wanted}"
+        )
+    # step_paddle restores whole blocks on recovery: the length is a multiple of them.
+    max_model_len = wanted // block_size * block_size
+    if max_model_len == 0:
+        raise ValueError(
+            f"--max-model-len: expected at least --block-size ({block_size}), got {wanted}"
+        )
+    ratio = args.decoder_pool_ratio
+    kv_blocks = args.kv_blocks
+    if kv_blocks is None:
+        per_region = args.max_batch * (max_model_len // block_size)
+        kv_blocks = math.ceil(per_region / min(ratio, 1 - ratio))
+        while min(int(kv_blocks * ratio), kv_blocks - int(kv_blocks * ratio)) < per_region:
+            kv_blocks += 1  # the pool size is rounded down
+    else:
+        # One sequence must fit the decoder pool (its recovery takes all its blocks at
+        # once) and its prompt the encoder region.
+        pool = int(kv_blocks * ratio)
+        fits = min(pool, kv_blocks - pool) * block_size
+        if fits < max_model_len:
+            if fits < block_size:
+                raise ValueError(
+                    f"--kv-blocks {kv_blocks} with --decoder-pool-ratio {ratio}: the pool "
+                    f"({pool}) or the prompt region ({kv_blocks - pool}) cannot hold one "
+                    "block of a sequence"
+                )
+            print(
+                f"max_model_len reduced from {max_model_len} to {fits}: {kv_blocks} KV blocks "
+                f"of {block_size} tokens (decoder pool {pool}) hold no longer sequence",
+                file=sys.stderr,
+            )
+            max_model_len = fits
+    return EngineConfig(
+        max_batch=args.max_batch,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        num_kv_blocks=kv_blocks,
+        decoder_pool_ratio=ratio,
+    )
+
+
+def build_engine(args: argparse.Namespace, loaded: LoadedModel | None = None):
+    """``(engine, loaded)`` for the flags (``loaded`` defaults to ``load_model(args)``)."""
+    from .engine import Engine
+
+    loaded = loaded if loaded is not None else load_model(args)
+    config = engine_config(args, loaded.context_len)
+    engine = Engine(
+        loaded.model,
+        config,
+        eos_token_ids=loaded.eos_token_ids,
+        seed=args.seed,
+        check_state=args.check_state,
+    )
+    return engine, loaded

@@ -1,0 +1,62 @@
+"""Serve a model over an OpenAI-compatible HTTP API.
+
+    python -m paddle_step.serve --model path/to/checkpoint [--host 127.0.0.1 --port 8000]
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming or not),
+``GET /v1/models``, ``GET /health``, ``GET /metrics``. The model id is the checkpoint
+folder's name unless ``--served-model-name`` says otherwise; the engine flags are
+``examples/generate.py``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .engine_args import add_engine_arguments, build_engine, check_engine_arguments
+
+__all__ = ["build_app", "build_engine", "main", "parse_args"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m paddle_step.serve", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id in the API (default: the checkpoint folder's name)",
+    )
+    add_engine_arguments(parser)
+    args = parser.parse_args(argv)
+    check_engine_arguments(parser, args)
+    return args
+
+
+def build_app(args: argparse.Namespace):
+    """``(app, loop)``: the FastAPI app over a new engine, and its engine loop (started
+    and stopped with the app)."""
+    from .serving.api import create_app
+    from .serving.engine_loop import EngineLoop
+
+    engine, loaded = build_engine(args)
+    loop = EngineLoop(engine)
+    name = args.served_model_name or loaded.name
+    app = create_app(loop, loaded.tokenizer, name, engine.config.max_model_len)
+    return app, loop
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        app, _loop = build_app(args)
+    except ValueError as error:  # a checkpoint or budget the engine cannot run
+        raise SystemExit(f"paddle_step.serve: {error}") from None
+    import uvicorn
+
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+
+
+if __name__ == "__main__":
+    main()
