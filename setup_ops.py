@@ -19,6 +19,7 @@ import shutil
 
 import paddle
 from paddle.utils.cpp_extension import CppExtension, CUDAExtension, setup
+from setuptools import find_packages
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 OPS = os.path.join(ROOT, "ops")
@@ -96,8 +97,10 @@ setup(
     name=LIBRARY_NAME,
     version="0.1.0",
     ext_modules=make_extension(),
-    packages=["paddle_step", "paddle_step.testing"],
+    packages=find_packages("python"),
     package_dir={"": "python"},
+    # The shipped default model (weights, tokenizer, configs) travels with the package.
+    package_data={"paddle_step": ["models/*/*.json", "models/*/*.safetensors", "models/*.md"]},
     # Not paddle: it comes as paddlepaddle or paddlepaddle-gpu (one name per build), and
     # naming either would make pip replace the other; the build needs it installed anyway.
     install_requires=RUNTIME_REQUIREMENTS,

@@ -13,6 +13,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
+from ..hf_tokenizer import IncrementalDetokenizer
 from .engine_loop import EngineLoop, RequestHandle, SamplingParams
 from .metrics import metrics_registry
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest
@@ -38,10 +40,15 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str, max_model_len: int)
     ``vocab_size`` and ``encode_chat(messages)`` (the checkpoint's chat template; raises
     ``ValueError`` when the checkpoint has none).
     """
-    app = FastAPI(title="paddle_step", version="0.1.0")
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        loop.start()
+        yield
+        loop.stop()
+
+    app = FastAPI(title="paddle_step", version="0.1.0", lifespan=lifespan)
     registry = metrics_registry(loop)
-    app.add_event_handler("startup", loop.start)
-    app.add_event_handler("shutdown", loop.stop)
     created = int(time.time())
 
     @app.exception_handler(ApiError)
@@ -121,9 +128,8 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str, max_model_len: int)
             seed=body.seed,
             ignore_eos=body.ignore_eos,
         )
-        text = TextStream(
-            lambda ids: tokenizer.decode(ids, skip_special_tokens=True), body.stop_strings()
-        )
+        detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=True)
+        text = TextStream(detokenizer, body.stop_strings())
         return RequestHandle(prompt_ids, params), text
 
     @app.post("/v1/completions")
