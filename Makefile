@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV ?= .venv
 # A GPU paddle works too, e.g. PADDLE_PACKAGE=paddlepaddle-gpu==2.6.2.
 PADDLE_PACKAGE ?= paddlepaddle==3.3.1
-PIP_PACKAGES = "$(PADDLE_PACKAGE)" numpy pytest "setuptools<70" hypothesis tqdm matplotlib
+PIP_PACKAGES = "$(PADDLE_PACKAGE)" numpy pytest "setuptools<70" hypothesis tqdm matplotlib tokenizers safetensors
 PY = $(VENV)/bin/python
 OP_SOURCES = setup_ops.py $(shell find ops python -type f \( -name '*.cc' -o -name '*.cu' -o -name '*.h' -o -name '*.py' \) 2>/dev/null)
 CUDA_HOME ?= /usr/local/cuda
