@@ -288,6 +288,13 @@ def train(model: LlamaForCausalLM, train_tokens: np.ndarray, heldout: np.ndarray
     rng = np.random.default_rng(args.seed)
     history = []
     start = time.perf_counter()
+
+    def record_eval(step: int) -> None:
+        history.append(dict(step=step, minutes=round((time.perf_counter() - start) / 60, 2),
+                            train_loss=round(evaluate(model, train_eval, args.batch_size), 4),
+                            heldout_loss=round(evaluate(model, heldout, args.batch_size), 4)))
+        print("eval", history[-1], flush=True)
+
     step = 0
     while (progress := progress_of(step, time.perf_counter() - start, args)) < 1.0:
         lr = lr_at(step, progress, args)
@@ -304,17 +311,10 @@ def train(model: LlamaForCausalLM, train_tokens: np.ndarray, heldout: np.ndarray
             print(f"step {step:5d}  loss {float(loss):.3f}  lr {lr:.2e}  "
                   f"{step * batch.size / elapsed:,.0f} tok/s  {elapsed / 60:.1f} min", flush=True)
         if step % args.eval_every == 0:
-            history.append(dict(step=step, minutes=round((time.perf_counter() - start) / 60, 2),
-                                train_loss=round(evaluate(model, train_eval, args.batch_size), 4),
-                                heldout_loss=round(evaluate(model, heldout, args.batch_size), 4)))
-            print("eval", history[-1], flush=True)
-    minutes = (time.perf_counter() - start) / 60
+            record_eval(step)
     if not history or history[-1]["step"] != step:
-        history.append(dict(step=step, minutes=round(minutes, 2),
-                            train_loss=round(evaluate(model, train_eval, args.batch_size), 4),
-                            heldout_loss=round(evaluate(model, heldout, args.batch_size), 4)))
-        print("eval", history[-1], flush=True)
-    return dict(steps=step, train_minutes=round(minutes, 2), history=history)
+        record_eval(step)
+    return dict(steps=step, train_minutes=history[-1]["minutes"], history=history)
 
 
 # ----------------------------------------------------------------------------- checkpoint
