@@ -8,7 +8,7 @@ VENV ?= .venv
 # A GPU paddle works too, e.g. PADDLE_PACKAGE=paddlepaddle-gpu==2.6.2.
 PADDLE_PACKAGE ?= paddlepaddle==3.3.1
 PY = $(VENV)/bin/python
-OP_SOURCES = setup_ops.py $(shell find ops python -type f \( -name '*.cc' -o -name '*.cu' -o -name '*.h' -o -name '*.py' \) 2>/dev/null)
+OP_SOURCES = setup_ops.py requirements.txt $(shell find ops python -type f \( -name '*.cc' -o -name '*.cu' -o -name '*.h' -o -name '*.py' -o -name '*.json' -o -name '*.safetensors' \) 2>/dev/null)
 CUDA_HOME ?= /usr/local/cuda
 
 .PHONY: demo test build bench cuda-check gpu-test clean

@@ -41,12 +41,13 @@ try:  # optional: only the progress bar needs it
 except ImportError:
     tqdm = None
 
+# The shipped model learned from Python's documentation: prompts in its language.
 BUILT_IN_PROMPTS = [
-    "Hello, my name is",
-    "The capital of France is",
-    "Paged attention splits the KV cache into",
-    "Once upon a time, in a land far away,",
-    "def fibonacci(n):",
+    "The for statement",
+    "A list is",
+    "The import statement",
+    "When an exception is raised,",
+    "A function definition",
     "Le café est prêt ✓",
 ]
 

@@ -20,6 +20,7 @@ import hashlib
 import json
 import math
 import platform
+import pydoc_data.topics
 import sys
 import time
 from pathlib import Path
@@ -27,22 +28,26 @@ from pathlib import Path
 import numpy as np
 import paddle
 import paddle.nn.functional as F
-import pydoc_data.topics
 from paddle import nn
 from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 BOS, EOS = "<s>", "</s>"
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "models" / "pydoc-tiny"
-DEFAULT_PROMPTS = ["The for statement", "def ", "A list is", "The \"import\" statement"]
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "python" / "paddle_step" / "models" / "pydoc-tiny"
+DEFAULT_PROMPTS = ["The for statement", "def ", "A list is", 'The "import" statement']
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                        help="checkpoint folder; the default is the shipped one")
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help="checkpoint folder; the default is the shipped one",
+    )
     parser.add_argument("--seed", type=int, default=0, help="weights and batch order")
     parser.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary size")
     parser.add_argument("--hidden-size", type=int, default=128, help="model width")
@@ -52,28 +57,51 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--intermediate-size", type=int, default=384, help="SwiGLU width")
     parser.add_argument("--context", type=int, default=256, help="training window, tokens")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per step")
-    parser.add_argument("--steps", type=int, default=3000,
-                        help="most optimizer steps; the run ends at --steps or --max-minutes, "
-                             "whichever comes first, and the LR schedule follows the nearer one")
-    parser.add_argument("--max-minutes", type=float, default=13.0,
-                        help="wall-clock budget of the training loop; 0: no clock, --steps only "
-                             "(bit-reproducible)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=3000,
+        help="most optimizer steps; the run ends at --steps or --max-minutes, "
+        "whichever comes first, and the LR schedule follows the nearer one",
+    )
+    parser.add_argument(
+        "--max-minutes",
+        type=float,
+        default=13.0,
+        help="wall-clock budget of the training loop; 0: no clock, --steps only (bit-reproducible)",
+    )
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    parser.add_argument("--min-lr-ratio", type=float, default=0.1,
-                        help="final LR as a fraction of --lr (cosine decay)")
+    parser.add_argument(
+        "--min-lr-ratio",
+        type=float,
+        default=0.1,
+        help="final LR as a fraction of --lr (cosine decay)",
+    )
     parser.add_argument("--warmup-steps", type=int, default=50, help="linear LR warmup")
-    parser.add_argument("--weight-decay", type=float, default=0.1,
-                        help="AdamW decay of the weight matrices (not the norm gains)")
+    parser.add_argument(
+        "--weight-decay",
+        type=float,
+        default=0.1,
+        help="AdamW decay of the weight matrices (not the norm gains)",
+    )
     parser.add_argument("--eval-every", type=int, default=250, help="steps between evaluations")
     parser.add_argument("--max-new-tokens", type=int, default=60, help="for the sample outputs")
-    parser.add_argument("--prompt", action="append", default=[],
-                        help="a prompt for the sample outputs (repeatable); default: a few")
-    parser.add_argument("--verify-only", action="store_true",
-                        help="skip training; check the checkpoint in --out with numpy")
+    parser.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        help="a prompt for the sample outputs (repeatable); default: a few",
+    )
+    parser.add_argument(
+        "--verify-only",
+        action="store_true",
+        help="skip training; check the checkpoint in --out with numpy",
+    )
     return parser.parse_args(argv)
 
 
 # ----------------------------------------------------------------------------- data
+
 
 def load_corpus() -> tuple[list[str], list[str], str]:
     """Return (train paragraphs joined per topic, held-out topics, sha256 of the corpus)."""
@@ -98,15 +126,22 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, special_tokens=[BOS, EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(texts, trainer)
     bos_id = tokenizer.token_to_id(BOS)
-    tokenizer.post_processor = processors.Sequence([
-        processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS}:1 $B:1",
-                                      special_tokens=[(BOS, bos_id)]),
-    ])
+    tokenizer.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{BOS} $A", pair=f"{BOS} $A {BOS}:1 $B:1", special_tokens=[(BOS, bos_id)]
+            ),
+        ]
+    )
     return tokenizer
 
 
@@ -122,13 +157,15 @@ def token_stream(tokenizer: Tokenizer, texts: list[str]) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- model (Paddle)
 
+
 class Linear(nn.Layer):
     """Bias-free linear layer whose weight is [out, in], the HF layout (paddle's is [in, out])."""
 
     def __init__(self, in_features: int, out_features: int, std: float):
         super().__init__()
         self.weight = self.create_parameter(
-            [out_features, in_features], default_initializer=nn.initializer.Normal(0.0, std))
+            [out_features, in_features], default_initializer=nn.initializer.Normal(0.0, std)
+        )
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return paddle.matmul(x, self.weight, transpose_y=True)
@@ -138,7 +175,9 @@ class RMSNorm(nn.Layer):
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.eps = eps
-        self.weight = self.create_parameter([size], default_initializer=nn.initializer.Constant(1.0))
+        self.weight = self.create_parameter(
+            [size], default_initializer=nn.initializer.Constant(1.0)
+        )
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return x * paddle.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
@@ -152,8 +191,11 @@ def rotate_half(x: paddle.Tensor) -> paddle.Tensor:
 class Attention(nn.Layer):
     def __init__(self, cfg: dict, std: float, out_std: float):
         super().__init__()
-        hidden, self.heads, self.kv_heads = (cfg["hidden_size"], cfg["num_attention_heads"],
-                                             cfg["num_key_value_heads"])
+        hidden, self.heads, self.kv_heads = (
+            cfg["hidden_size"],
+            cfg["num_attention_heads"],
+            cfg["num_key_value_heads"],
+        )
         self.head_dim = cfg["head_dim"]
         self.q_proj = Linear(hidden, self.heads * self.head_dim, std)
         self.k_proj = Linear(hidden, self.kv_heads * self.head_dim, std)
@@ -207,10 +249,13 @@ class LlamaModel(nn.Layer):
     def __init__(self, cfg: dict, std: float, out_std: float):
         super().__init__()
         self.embed_tokens = nn.Embedding(
-            cfg["vocab_size"], cfg["hidden_size"],
-            weight_attr=paddle.ParamAttr(initializer=nn.initializer.Normal(0.0, std)))
-        self.layers = nn.LayerList([DecoderLayer(cfg, std, out_std)
-                                    for _ in range(cfg["num_hidden_layers"])])
+            cfg["vocab_size"],
+            cfg["hidden_size"],
+            weight_attr=paddle.ParamAttr(initializer=nn.initializer.Normal(0.0, std)),
+        )
+        self.layers = nn.LayerList(
+            [DecoderLayer(cfg, std, out_std) for _ in range(cfg["num_hidden_layers"])]
+        )
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
 
@@ -251,14 +296,16 @@ def window_loss(model: LlamaForCausalLM, windows: np.ndarray) -> paddle.Tensor:
 def eval_windows(tokens: np.ndarray, context: int) -> np.ndarray:
     """Non-overlapping windows covering ``tokens``; the deterministic evaluation set."""
     count = (len(tokens) - 1) // context
-    return np.stack([tokens[i * context: i * context + context + 1] for i in range(count)])
+    return np.stack([tokens[i * context : i * context + context + 1] for i in range(count)])
 
 
 @paddle.no_grad()
 def evaluate(model: LlamaForCausalLM, windows: np.ndarray, batch_size: int) -> float:
     model.eval()
-    losses = [float(window_loss(model, windows[i:i + batch_size])) * len(windows[i:i + batch_size])
-              for i in range(0, len(windows), batch_size)]
+    losses = [
+        float(window_loss(model, windows[i : i + batch_size])) * len(windows[i : i + batch_size])
+        for i in range(0, len(windows), batch_size)
+    ]
     model.train()
     return sum(losses) / len(windows)
 
@@ -278,28 +325,43 @@ def progress_of(step: int, elapsed: float, args: argparse.Namespace) -> float:
     return max(step / args.steps, by_clock)
 
 
-def train(model: LlamaForCausalLM, train_tokens: np.ndarray, heldout: np.ndarray,
-          train_eval: np.ndarray, args: argparse.Namespace) -> dict:
+def train(
+    model: LlamaForCausalLM,
+    train_tokens: np.ndarray,
+    heldout: np.ndarray,
+    train_eval: np.ndarray,
+    args: argparse.Namespace,
+) -> dict:
     decay = {p.name for p in model.parameters() if p.ndim == 2}  # not the norm gains
     optimizer = paddle.optimizer.AdamW(
-        learning_rate=args.lr, beta1=0.9, beta2=0.95, weight_decay=args.weight_decay,
-        parameters=model.parameters(), grad_clip=nn.ClipGradByGlobalNorm(1.0),
-        apply_decay_param_fun=lambda name: name in decay)
+        learning_rate=args.lr,
+        beta1=0.9,
+        beta2=0.95,
+        weight_decay=args.weight_decay,
+        parameters=model.parameters(),
+        grad_clip=nn.ClipGradByGlobalNorm(1.0),
+        apply_decay_param_fun=lambda name: name in decay,
+    )
     rng = np.random.default_rng(args.seed)
     history = []
     start = time.perf_counter()
 
     def record_eval(step: int) -> None:
-        history.append(dict(step=step, minutes=round((time.perf_counter() - start) / 60, 2),
-                            train_loss=round(evaluate(model, train_eval, args.batch_size), 4),
-                            heldout_loss=round(evaluate(model, heldout, args.batch_size), 4)))
+        history.append(
+            dict(
+                step=step,
+                minutes=round((time.perf_counter() - start) / 60, 2),
+                train_loss=round(evaluate(model, train_eval, args.batch_size), 4),
+                heldout_loss=round(evaluate(model, heldout, args.batch_size), 4),
+            )
+        )
         print("eval", history[-1], flush=True)
 
     step = 0
     while (progress := progress_of(step, time.perf_counter() - start, args)) < 1.0:
         lr = lr_at(step, progress, args)
         starts = rng.integers(0, len(train_tokens) - args.context - 1, args.batch_size)
-        batch = np.stack([train_tokens[s:s + args.context + 1] for s in starts])
+        batch = np.stack([train_tokens[s : s + args.context + 1] for s in starts])
         optimizer.set_lr(lr)
         loss = window_loss(model, batch)
         loss.backward()
@@ -308,8 +370,11 @@ def train(model: LlamaForCausalLM, train_tokens: np.ndarray, heldout: np.ndarray
         step += 1
         if step % 20 == 0 or step == 1:
             elapsed = time.perf_counter() - start
-            print(f"step {step:5d}  loss {float(loss):.3f}  lr {lr:.2e}  "
-                  f"{step * batch.size / elapsed:,.0f} tok/s  {elapsed / 60:.1f} min", flush=True)
+            print(
+                f"step {step:5d}  loss {float(loss):.3f}  lr {lr:.2e}  "
+                f"{step * batch.size / elapsed:,.0f} tok/s  {elapsed / 60:.1f} min",
+                flush=True,
+            )
         if step % args.eval_every == 0:
             record_eval(step)
     if not history or history[-1]["step"] != step:
@@ -318,6 +383,7 @@ def train(model: LlamaForCausalLM, train_tokens: np.ndarray, heldout: np.ndarray
 
 
 # ----------------------------------------------------------------------------- checkpoint
+
 
 def model_config(args: argparse.Namespace, tokenizer: Tokenizer) -> dict:
     return {
@@ -353,27 +419,41 @@ def save_checkpoint(out: Path, model: LlamaForCausalLM, cfg: dict, tokenizer: To
     weights = {name: param.numpy().astype(np.float16) for name, param in model.state_dict().items()}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}, indent=2) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps(
+            {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}, indent=2
+        )
+        + "\n"
+    )
     tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS,
-        "eos_token": EOS,
-        "add_bos_token": True,  # informational: tokenizer.json's post-processor adds it
-        "add_eos_token": False,
-        "model_max_length": cfg["max_position_embeddings"],
-        "clean_up_tokenization_spaces": False,
-    }, indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": BOS,
+                "eos_token": EOS,
+                "add_bos_token": True,  # informational: tokenizer.json's post-processor adds it
+                "add_eos_token": False,
+                "model_max_length": cfg["max_position_embeddings"],
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 # ----------------------------------------------------------------------------- numpy check
 
+
 def numpy_forward(weights: dict[str, np.ndarray], cfg: dict, ids: list[int]) -> np.ndarray:
     """Logits [T, vocab] of the HF Llama in ``weights``/``cfg``, written from the HF recipe."""
     w = {name: value.astype(np.float32) for name, value in weights.items()}
-    heads, kv_heads, head_dim = (cfg["num_attention_heads"], cfg["num_key_value_heads"],
-                                 cfg["head_dim"])
+    heads, kv_heads, head_dim = (
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["head_dim"],
+    )
     length = len(ids)
 
     def rms_norm(x, gain):
@@ -385,7 +465,9 @@ def numpy_forward(weights: dict[str, np.ndarray], cfg: dict, ids: list[int]) -> 
     sin = np.sin(np.concatenate([angles, angles], -1))[:, None, :]
 
     def rope(t):  # [T, heads, D]
-        return t * cos + np.concatenate([-t[..., head_dim // 2:], t[..., :head_dim // 2]], -1) * sin
+        return (
+            t * cos + np.concatenate([-t[..., head_dim // 2 :], t[..., : head_dim // 2]], -1) * sin
+        )
 
     causal = np.triu(np.full((length, length), -np.inf), 1)
     x = w["model.embed_tokens.weight"][ids]
@@ -419,8 +501,9 @@ def numpy_loss(weights: dict, cfg: dict, windows: np.ndarray) -> float:
     return float(np.mean(losses))
 
 
-def greedy_generate(weights: dict, cfg: dict, tokenizer: Tokenizer, prompt: str,
-                    max_new_tokens: int) -> str:
+def greedy_generate(
+    weights: dict, cfg: dict, tokenizer: Tokenizer, prompt: str, max_new_tokens: int
+) -> str:
     ids = tokenizer.encode(prompt).ids  # the post-processor prepends <s>
     prompt_len = len(ids)
     while len(ids) - prompt_len < max_new_tokens and len(ids) < cfg["max_position_embeddings"]:
@@ -431,8 +514,13 @@ def greedy_generate(weights: dict, cfg: dict, tokenizer: Tokenizer, prompt: str,
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def verify(out: Path, heldout: np.ndarray, prompts: list[str], max_new_tokens: int,
-           model: LlamaForCausalLM | None) -> dict:
+def verify(
+    out: Path,
+    heldout: np.ndarray,
+    prompts: list[str],
+    max_new_tokens: int,
+    model: LlamaForCausalLM | None,
+) -> dict:
     """Reload the saved files and check them with numpy; return held-out loss and samples."""
     weights = load_file(str(out / "model.safetensors"))
     cfg = json.loads((out / "config.json").read_text())
@@ -441,7 +529,9 @@ def verify(out: Path, heldout: np.ndarray, prompts: list[str], max_new_tokens: i
     if model is not None:
         # Give the Paddle model the saved float16 values, so both sides hold identical weights
         # and any mismatch is a layout or recipe error, not rounding.
-        model.set_state_dict({n: paddle.to_tensor(v.astype(np.float32)) for n, v in weights.items()})
+        model.set_state_dict(
+            {n: paddle.to_tensor(v.astype(np.float32)) for n, v in weights.items()}
+        )
         model.eval()
         window = heldout[0, :-1]
         with paddle.no_grad():
@@ -449,14 +539,18 @@ def verify(out: Path, heldout: np.ndarray, prompts: list[str], max_new_tokens: i
         got = numpy_forward(weights, cfg, window.tolist())
         report["max_abs_logit_diff"] = float(np.abs(got - expected).max())
         report["argmax_agreement"] = float((got.argmax(-1) == expected.argmax(-1)).mean())
-        print(f"numpy vs paddle logits on a held-out window: max |diff| "
-              f"{report['max_abs_logit_diff']:.2e} (logits span "
-              f"{expected.min():.1f}..{expected.max():.1f}), argmax agreement "
-              f"{report['argmax_agreement']:.3f}")
+        print(
+            f"numpy vs paddle logits on a held-out window: max |diff| "
+            f"{report['max_abs_logit_diff']:.2e} (logits span "
+            f"{expected.min():.1f}..{expected.max():.1f}), argmax agreement "
+            f"{report['argmax_agreement']:.3f}"
+        )
         assert report["max_abs_logit_diff"] < 1e-2 and report["argmax_agreement"] > 0.99
     report["heldout_loss_numpy_fp16"] = round(numpy_loss(weights, cfg, heldout), 4)
-    print(f"held-out loss, numpy forward of the saved float16 weights: "
-          f"{report['heldout_loss_numpy_fp16']:.4f}")
+    print(
+        f"held-out loss, numpy forward of the saved float16 weights: "
+        f"{report['heldout_loss_numpy_fp16']:.4f}"
+    )
     report["samples"] = {}
     for prompt in prompts:
         text = greedy_generate(weights, cfg, tokenizer, prompt, max_new_tokens)
@@ -467,8 +561,8 @@ def verify(out: Path, heldout: np.ndarray, prompts: list[str], max_new_tokens: i
 
 def display_path(path: Path) -> str:
     """``path`` relative to the repository when inside it, so the summary names no home dir."""
-    repo = DEFAULT_OUT.parent.parent
-    return str(path.resolve().relative_to(repo)) if path.resolve().is_relative_to(repo) else str(path)
+    resolved = path.resolve()
+    return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else str(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -480,8 +574,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.verify_only:
         tokenizer = Tokenizer.from_file(str(args.out / "tokenizer.json"))
         context = json.loads((args.out / "config.json").read_text())["max_position_embeddings"]
-        verify(args.out, eval_windows(token_stream(tokenizer, heldout_texts), context),
-               prompts, args.max_new_tokens, model=None)
+        verify(
+            args.out,
+            eval_windows(token_stream(tokenizer, heldout_texts), context),
+            prompts,
+            args.max_new_tokens,
+            model=None,
+        )
         return 0
 
     started = time.perf_counter()
@@ -490,10 +589,12 @@ def main(argv: list[str] | None = None) -> int:
     heldout = eval_windows(token_stream(tokenizer, heldout_texts), args.context)
     # Same size as the held-out set, from the training stream: train vs held-out loss on
     # equal footing shows how much the model memorises.
-    train_eval = eval_windows(train_tokens, args.context)[::7][:len(heldout)]
-    print(f"corpus: {len(train_texts)} train topics ({sum(map(len, train_texts)):,} chars, "
-          f"{len(train_tokens):,} tokens), {len(heldout_texts)} held-out topics "
-          f"({len(heldout)} windows of {args.context}); vocab {tokenizer.get_vocab_size()}")
+    train_eval = eval_windows(train_tokens, args.context)[::7][: len(heldout)]
+    print(
+        f"corpus: {len(train_texts)} train topics ({sum(map(len, train_texts)):,} chars, "
+        f"{len(train_tokens):,} tokens), {len(heldout_texts)} held-out topics "
+        f"({len(heldout)} windows of {args.context}); vocab {tokenizer.get_vocab_size()}"
+    )
 
     cfg = model_config(args, tokenizer)
     model = LlamaForCausalLM(cfg)
@@ -506,15 +607,19 @@ def main(argv: list[str] | None = None) -> int:
         "args": {**vars(args), "out": display_path(args.out)},
         "python": platform.python_version(),
         "paddle": paddle.__version__,
-        "corpus": "pydoc_data.topics", "corpus_sha256": corpus_sha256,
-        "train_tokens": int(len(train_tokens)), "heldout_tokens": int(heldout.size),
+        "corpus": "pydoc_data.topics",
+        "corpus_sha256": corpus_sha256,
+        "train_tokens": int(len(train_tokens)),
+        "heldout_tokens": int(heldout.size),
         **result,
         "total_minutes": round((time.perf_counter() - started) / 60, 2),
         **check,
     }
     (args.out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"saved {args.out}: " + ", ".join(
-        f"{f.name} {f.stat().st_size / 1e6:.2f} MB" for f in sorted(args.out.iterdir())))
+    print(
+        f"saved {args.out}: "
+        + ", ".join(f"{f.name} {f.stat().st_size / 1e6:.2f} MB" for f in sorted(args.out.iterdir()))
+    )
     return 0
 
 
