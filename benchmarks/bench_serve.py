@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -195,6 +196,7 @@ def offline_tokens_per_s(args: argparse.Namespace, prompts: list[str]) -> tuple[
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     prompts = make_prompts(args.num_prompts)
     offline, model_name = offline_tokens_per_s(args, prompts)
     levels = [int(level) for level in args.concurrency.split(",")]

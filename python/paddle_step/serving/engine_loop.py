@@ -102,11 +102,13 @@ class EngineLoop:
                 self._fail_all(f"engine step failed: {error}")
                 return
             self.preemptions = self.engine.stats.preemptions
-            for request_id, token in self.engine.last_step_tokens:
-                self._emit(request_id, ("token", token))
-                self.generated_tokens += 1
+            self.generated_tokens += len(self.engine.last_step_tokens)
+            events = [
+                (request_id, ("token", token)) for request_id, token in self.engine.last_step_tokens
+            ]
+            events += [(result.request_id, ("finish", result.finish_reason)) for result in finished]
+            self._emit_all(events)
             for result in finished:
-                self._emit(result.request_id, ("finish", result.finish_reason))
                 self._handles.pop(result.request_id, None)
         self._fail_all("server shutting down")
 
@@ -139,10 +141,20 @@ class EngineLoop:
         handle.request_id = request_id
         self._handles[request_id] = (handle, event_loop)
 
-    def _emit(self, request_id: int, event: tuple) -> None:
-        entry = self._handles.get(request_id)
-        if entry is not None:
-            _deliver(*entry, event)
+    def _emit_all(self, events: list[tuple[int, tuple]]) -> None:
+        """Delivers a step's events with one wake-up per event loop, not one per token:
+        each wake-up costs the loop thread a turn at the GIL the engine thread needs."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, event in events:
+            entry = self._handles.get(request_id)
+            if entry is not None:
+                handle, event_loop = entry
+                by_loop.setdefault(event_loop, []).append((handle.events, event))
+        for event_loop, deliveries in by_loop.items():
+            try:
+                event_loop.call_soon_threadsafe(_put_all, deliveries)
+            except RuntimeError:  # its event loop has closed: nobody is listening any more
+                pass
 
     def _fail_all(self, message: str) -> None:
         for handle, event_loop in self._handles.values():
@@ -155,6 +167,11 @@ class EngineLoop:
                 return
             if kind == "add":
                 _deliver(handle, event_loop, ("error", message))
+
+
+def _put_all(deliveries: list[tuple[asyncio.Queue, tuple]]) -> None:
+    for events, event in deliveries:
+        events.put_nowait(event)
 
 
 def _deliver(handle: RequestHandle, event_loop: asyncio.AbstractEventLoop, event: tuple) -> None:
