@@ -161,3 +161,62 @@ def test_example_runs_without_tqdm():
     assert "Traceback" not in completed.stderr
     assert "optional package 'tqdm' not installed" in completed.stderr
     assert len(json.loads(completed.stdout)["requests"]) == 6
+
+
+def run_example_failing(*args: str) -> str:
+    """stderr of a generate.py run expected to fail with one clear line."""
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "generate.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert completed.returncode != 0
+    assert "Traceback" not in completed.stderr, completed.stderr[-3000:]
+    return completed.stderr
+
+
+GOLDEN_LLAMA = REPO / "tests" / "data" / "hf-tiny" / "llama-tiny"
+
+
+def test_example_on_a_checkpoint_prints_text_and_stops_on_eos(tmp_path):
+    run = run_example(
+        "--model", str(GOLDEN_LLAMA), "--prompt", "Hello there", "--max-new-tokens", "8",
+        "--json",
+    )  # fmt: skip
+    [request] = run["requests"]
+    assert len(request["token_ids"]) <= 8 and isinstance(request["text"], str)
+    # The default model's text is its tokens decoded, special tokens left out.
+    default = run_example("--prompt", "A list is", "--max-new-tokens", "12", "--json")
+    assert default["requests"][0]["text"].strip()
+    ignored = run_example(
+        "--model", str(GOLDEN_LLAMA), "--prompt", "Hello there", "--max-new-tokens", "40",
+        "--ignore-eos", "--json",
+    )  # fmt: skip
+    assert len(ignored["requests"][0]["token_ids"]) == 40
+
+
+def test_example_reduces_max_model_len_to_the_kv_budget():
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "generate.py"), "--prompt", "A list is",
+         "--max-new-tokens", "4", "--block-size", "4", "--kv-blocks", "16", "--json"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "max_model_len reduced from 256 to 32" in completed.stderr
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("--model", "/nonexistent/checkpoint"), "expected a directory"),
+        (("--chat",), "chat template"),
+        (("--max-model-len", "100000"), "expected at most the model's context (256)"),
+        (("--prompt", "word " * 300), "expected <= max_model_len (256)"),
+    ],
+    ids=["missing", "no-chat-template", "beyond-context", "prompt-too-long"],
+)
+def test_example_errors_are_one_clear_line(args, message):
+    stderr = run_example_failing(*args, "--max-new-tokens", "4")
+    assert message in stderr, stderr[-2000:]
