@@ -212,25 +212,20 @@ def test_stale_need_block_list_after_step():
     assert check_state(state, BLOCK_SIZE, after_step=False) is None
 
 
-def test_step_block_list_entry_that_is_not_preempted():
+@pytest.mark.parametrize(
+    "entry,message",
+    [
+        (0, "slot 0 is in step_block_list[1] but is_block_step is false"),
+        (9, "step_block_list[1] is 9, expected a slot id in [0, 4)"),
+        (1, "slot 1 is in step_block_list twice (again at position 1)"),
+    ],
+    ids=["not-preempted", "not-a-slot", "twice"],
+)
+def test_bad_second_step_block_list_entry(entry, message):
     state = valid_state()
-    state["step_block_list"][1] = 0
+    state["step_block_list"][1] = entry
     state["step_lens"][0] = 2
-    assert "slot 0 is in step_block_list[1] but is_block_step is false" in violations(state)
-
-
-def test_step_block_list_entry_that_is_not_a_slot():
-    state = valid_state()
-    state["step_block_list"][1] = 9
-    state["step_lens"][0] = 2
-    assert "step_block_list[1] is 9, expected a slot id in [0, 4)" in violations(state)
-
-
-def test_slot_twice_in_step_block_list():
-    state = valid_state()
-    state["step_block_list"][1] = 1
-    state["step_lens"][0] = 2
-    assert "slot 1 is in step_block_list twice (again at position 1)" in violations(state)
+    assert message in violations(state)
 
 
 def test_preempted_slot_missing_from_step_block_list():

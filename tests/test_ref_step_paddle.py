@@ -50,6 +50,19 @@ def reset_scratch(expected):
     expected["recover_lens"][0] = 0
 
 
+def expect_preempted(expected, victims):
+    """``victims`` preempted in this order: pushed onto step_block_list and stopped; their
+    used_list_len stays (recovery restores it). Table entries and the pool are the
+    caller's to set."""
+    for position, slot in enumerate(victims):
+        expected["step_block_list"][position] = slot
+        expected["stop_flags"][slot] = True
+        expected["is_block_step"][slot] = True
+        expected["seq_lens_this_time"][slot] = 0
+        expected["seq_lens_decoder"][slot] = 0
+    expected["step_lens"][0] = len(victims)
+
+
 # ---- Phase 1: Free. --------------------------------------------------------------
 
 
@@ -182,12 +195,7 @@ def test_preempts_biggest_holder_lowest_slot_on_ties():
     # Slot 1 (2 blocks, tied with slot 2) is the victim.
     expected["free_list"][:2] = [11, 12]
     expected["block_tables"][1] = [1, -1, -1, -1, -1, -1]
-    expected["step_block_list"][0] = 1
-    expected["step_lens"][0] = 1
-    expected["stop_flags"][1] = True
-    expected["is_block_step"][1] = True
-    expected["seq_lens_this_time"][1] = 0
-    expected["seq_lens_decoder"][1] = 0
+    expect_preempted(expected, [1])
     # used_list_len[1] stays 2. Dispatch: slot 3 takes the pool top.
     expected["block_tables"][3, 1] = 12
     expected["used_list_len"][3] = 1
@@ -245,12 +253,7 @@ def test_holders_of_max_dec_blocks_are_preempted_when_nobody_else_holds_any():
     reset_scratch(expected)
     expected["free_list"][:4] = [10, 11, 12, 13]
     expected["block_tables"][0, :4] = -1
-    expected["step_block_list"][0] = 0
-    expected["step_lens"][0] = 1
-    expected["stop_flags"][0] = True
-    expected["is_block_step"][0] = True
-    expected["seq_lens_this_time"][0] = 0
-    expected["seq_lens_decoder"][0] = 0
+    expect_preempted(expected, [0])
     expected["block_tables"][1, 1] = 13
     expected["used_list_len"][1] = 1
     # Recovery: slot 0's budget max(1, min(5, 4-0, 6-0)) = 4 > 3 left.
@@ -266,13 +269,7 @@ def test_shortfall_preempts_needy_from_highest_slot_down():
 
     expected = copy_state(state)
     reset_scratch(expected)
-    for slot in (1, 2, 3):
-        expected["stop_flags"][slot] = True
-        expected["is_block_step"][slot] = True
-        expected["seq_lens_this_time"][slot] = 0
-        expected["seq_lens_decoder"][slot] = 0
-    expected["step_block_list"][:] = [3, 2, 1, -1]
-    expected["step_lens"][0] = 3
+    expect_preempted(expected, [3, 2, 1])
     expected["block_tables"][0, 1] = 20
     expected["used_list_len"][0] = 1
     expected["free_list_len"][0] = 0

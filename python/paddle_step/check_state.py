@@ -9,7 +9,7 @@ and reports every violation at once.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -68,6 +68,26 @@ def _shape_problem(name: str, kind: str, shape: tuple, batch_size: int | None) -
     return None
 
 
+def _distinct_ids(
+    entries: list[int],
+    limit: int,
+    out_of_range: Callable[[int, int], str],
+    repeated: Callable[[int, int, int], str],
+    problems: list[str],
+) -> dict[int, int]:
+    """The first position of each entry that is an id in [0, limit); a problem for every
+    other entry (``out_of_range(position, id)``, ``repeated(id, first, position)``)."""
+    first_positions: dict[int, int] = {}
+    for position, value in enumerate(entries):
+        if not 0 <= value < limit:
+            problems.append(out_of_range(position, value))
+        elif value in first_positions:
+            problems.append(repeated(value, first_positions[value], position))
+        else:
+            first_positions[value] = position
+    return first_positions
+
+
 def _check_layout(arrays: Mapping[str, np.ndarray]) -> list[str]:
     """Dtype and shape of every tensor, per SPEC's table."""
     problems = []
@@ -118,23 +138,22 @@ def _check_lengths_and_lists(
 
     step_lens = int(flat["step_lens"][0])
     is_block_step = flat["is_block_step"]
-    listed_slots: set[int] = set()
-    for position in range(min(max(step_lens, 0), batch_size)):
-        slot = int(flat["step_block_list"][position])
-        if not 0 <= slot < batch_size:
+    listed_slots = _distinct_ids(
+        flat["step_block_list"][: min(max(step_lens, 0), batch_size)].tolist(),
+        batch_size,
+        lambda position, slot: (
+            f"step_block_list[{position}] is {slot}, expected a slot id in [0, {batch_size})"
+        ),
+        lambda slot, _first, position: (
+            f"slot {slot} is in step_block_list twice (again at position {position})"
+        ),
+        problems,
+    )
+    for slot, position in listed_slots.items():
+        if not is_block_step[slot]:
             problems.append(
-                f"step_block_list[{position}] is {slot}, expected a slot id in [0, {batch_size})"
+                f"slot {slot} is in step_block_list[{position}] but is_block_step is false"
             )
-        elif slot in listed_slots:
-            problems.append(
-                f"slot {slot} is in step_block_list twice (again at position {position})"
-            )
-        else:
-            listed_slots.add(slot)
-            if not is_block_step[slot]:
-                problems.append(
-                    f"slot {slot} is in step_block_list[{position}] but is_block_step is false"
-                )
     for slot in np.flatnonzero(is_block_step).tolist():
         if slot not in listed_slots:
             problems.append(
@@ -181,25 +200,24 @@ def _check_block_ids(
             where = ", ".join(f"slot {slot} column {column}" for slot, column in places)
             problems.append(f"block {block} is owned twice: {where}")
 
-    pool_positions: dict[int, int] = {}
-    for position, block in enumerate(pool.tolist()):
-        if not 0 <= block < num_blocks:
+    pool_positions = _distinct_ids(
+        pool.tolist(),
+        num_blocks,
+        lambda position, block: (
+            f"free_list[{position}] is {block}, expected a block id in [0, {num_blocks})"
+        ),
+        lambda block, first, position: (
+            f"block {block} is in the pool twice: free_list[{first}] and free_list[{position}]"
+        ),
+        problems,
+    )
+    for block, position in pool_positions.items():
+        if block in owners:
+            slot, column = owners[block][0]
             problems.append(
-                f"free_list[{position}] is {block}, expected a block id in [0, {num_blocks})"
+                f"block {block} is both in the pool (free_list[{position}]) and owned by "
+                f"slot {slot} (column {column})"
             )
-        elif block in pool_positions:
-            problems.append(
-                f"block {block} is in the pool twice: free_list[{pool_positions[block]}] and "
-                f"free_list[{position}]"
-            )
-        else:
-            pool_positions[block] = position
-            if block in owners:
-                slot, column = owners[block][0]
-                problems.append(
-                    f"block {block} is both in the pool (free_list[{position}]) and owned by "
-                    f"slot {slot} (column {column})"
-                )
 
     if decoder_blocks is not None:
         decoder_set = {int(block) for block in decoder_blocks}
