@@ -1,7 +1,7 @@
 # Two entry points do everything on a fresh clone (README):
 #   make demo   - set up .venv, build the ops, run examples/generate.py
 #   make test   - set up .venv, build the ops, run the test suite
-# Others: make build, make bench, make cuda-check, make gpu-test, make clean.
+# Others: make build, make bench, make cuda-check, make gpu-test, make gpu-bench, make clean.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,7 +11,7 @@ PY = $(VENV)/bin/python
 OP_SOURCES = setup_ops.py requirements.txt $(shell find ops python -type f \( -name '*.cc' -o -name '*.cu' -o -name '*.h' -o -name '*.py' -o -name '*.json' -o -name '*.safetensors' \) 2>/dev/null)
 CUDA_HOME ?= /usr/local/cuda
 
-.PHONY: demo test build bench cuda-check gpu-test clean
+.PHONY: demo test build bench cuda-check gpu-test gpu-bench clean
 
 # Reinstalls when either requirements file changes.
 $(VENV)/.installed: requirements.txt requirements-dev.txt
@@ -54,6 +54,11 @@ cuda-check:
 gpu-test:
 	@test -x $(CUDA_HOME)/bin/nvcc || { echo "gpu-test: no nvcc under $(CUDA_HOME), skipped"; exit 0; }
 	$(MAKE) -C tests/gpu test CUDA_HOME=$(CUDA_HOME)
+
+# The GPU kernel-time table alone (tests/gpu/README.md, "Kernel times").
+gpu-bench:
+	@test -x $(CUDA_HOME)/bin/nvcc || { echo "gpu-bench: no nvcc under $(CUDA_HOME), skipped"; exit 0; }
+	$(MAKE) -C tests/gpu bench CUDA_HOME=$(CUDA_HOME)
 
 clean:
 	rm -rf build python/*.egg-info $(VENV) .venv-cuda

@@ -14,7 +14,7 @@ here imports CuPy or PyTorch at import time.
 from __future__ import annotations
 
 import ctypes
-import statistics
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -51,6 +51,14 @@ _SIGNATURES = {
     "paddle_step_step_paddle": [ctypes.POINTER(_P), _I64, _I64, _I64, _I64, _I64, _I64, _P],
     "paddle_step_step_paddle_tensor_count": [],
     "paddle_step_device_count": [ctypes.POINTER(ctypes.c_int)],
+    "paddle_step_device_info": [
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.POINTER(ctypes.c_int),
+        ctypes.POINTER(ctypes.c_int),
+        ctypes.POINTER(ctypes.c_int),
+        ctypes.POINTER(ctypes.c_int),
+    ],
     "paddle_step_gpu_count": [],
     "paddle_step_device_synchronize": [],
     "paddle_step_stream_create": [ctypes.POINTER(_P)],
@@ -60,6 +68,8 @@ _SIGNATURES = {
     "paddle_step_capture_end": [_P, ctypes.POINTER(_P), ctypes.POINTER(_I64)],
     "paddle_step_graph_launch": [_P, _P],
     "paddle_step_graph_destroy": [_P],
+    "paddle_step_memcpy_device": [_P, _P, _I64, _P],
+    "paddle_step_add_one": [_P, _I64, _P],
     "paddle_step_event_create": [ctypes.POINTER(_P)],
     "paddle_step_event_record": [_P, _P],
     "paddle_step_event_elapsed_ms": [_P, _P, ctypes.POINTER(ctypes.c_float)],
@@ -279,13 +289,14 @@ class GpuHarness:
     # -- CUDA graphs
 
     @contextmanager
-    def graph(self, launch):
-        """Captures `launch(stream)` on the harness's stream; yields replay(),
-        which launches the graph and waits for it."""
+    def captured_graph(self, record):
+        """Captures `record(stream)` (any number of launches and copies on the
+        harness's stream) into one CUDA graph; yields (executable graph handle,
+        number of nodes captured)."""
         self.synchronize()
         self.check(self.lib.paddle_step_capture_begin(self.stream), "cudaStreamBeginCapture")
         try:
-            launch(self.stream)
+            record(self.stream)
         finally:
             exec_handle, nodes = _P(), _I64()
             status = self.lib.paddle_step_capture_end(
@@ -293,46 +304,108 @@ class GpuHarness:
             )
         self.check(status, "cudaStreamEndCapture / cudaGraphInstantiate")
         assert nodes.value >= 1, "the capture recorded no kernel"
-
-        def replay():
-            self.check(
-                self.lib.paddle_step_graph_launch(exec_handle, self.stream), "cudaGraphLaunch"
-            )
-            self.check(
-                self.lib.paddle_step_stream_synchronize(self.stream),
-                "cudaStreamSynchronize after the graph",
-            )
-
         try:
-            yield replay
+            yield exec_handle, nodes.value
         finally:
             self.lib.paddle_step_graph_destroy(exec_handle)
 
+    @contextmanager
+    def graph(self, launch):
+        """Captures `launch(stream)` on the harness's stream; yields replay(),
+        which launches the graph and waits for it."""
+        with self.captured_graph(launch) as (exec_handle, _):
+
+            def replay():
+                self.check(
+                    self.lib.paddle_step_graph_launch(exec_handle, self.stream), "cudaGraphLaunch"
+                )
+                self.check(
+                    self.lib.paddle_step_stream_synchronize(self.stream),
+                    "cudaStreamSynchronize after the graph",
+                )
+
+            yield replay
+
+    # -- raw device work (timing)
+
+    def memcpy_device(self, dst: int, src: int, nbytes: int, stream=None):
+        """cudaMemcpyAsync device to device between raw addresses."""
+        status = self.lib.paddle_step_memcpy_device(
+            dst, src, nbytes, self.stream if stream is None else stream
+        )
+        self.check(status, "cudaMemcpyAsync")
+
+    def add_one(self, address: int, count: int, stream=None):
+        """The floor kernel: x[i] += 1 on `count` int64 at `address`."""
+        status = self.lib.paddle_step_add_one(
+            address, count, self.stream if stream is None else stream
+        )
+        self.check(status, "paddle_step_add_one")
+
+    def device_info(self) -> str:
+        """The device, as "NAME, CUDA runtime R, driver API D, sm_XY" (timing report)."""
+        name = ctypes.create_string_buffer(256)
+        runtime, driver, major, minor = (ctypes.c_int() for _ in range(4))
+        status = self.lib.paddle_step_device_info(
+            name,
+            len(name),
+            ctypes.byref(runtime),
+            ctypes.byref(driver),
+            ctypes.byref(major),
+            ctypes.byref(minor),
+        )
+        self.check(status, "cudaGetDeviceProperties")
+
+        def version(v):
+            return f"{v.value // 1000}.{v.value % 1000 // 10}"
+
+        return (
+            f"{name.value.decode(errors='replace')}, CUDA runtime {version(runtime)}, "
+            f"driver API {version(driver)}, sm_{major.value}{minor.value}"
+        )
+
     # -- timing
 
-    def time_ms(self, launch, reset, repeats: int = 50) -> float:
-        """Median CUDA-event time of `launch(stream)`, `reset()` (outside the
-        timed span) before each call."""
+    def time_graph_ms(self, exec_handle, replays: int = 5, warmup: int = 1) -> float:
+        """Best (lowest) CUDA-event time of one replay of the executable graph
+        `exec_handle`, over `replays` replays after `warmup` untimed ones."""
         start, end = _P(), _P()
         self.check(self.lib.paddle_step_event_create(ctypes.byref(start)), "cudaEventCreate")
         self.check(self.lib.paddle_step_event_create(ctypes.byref(end)), "cudaEventCreate")
         times = []
         try:
-            for _ in range(repeats + 3):  # the first few warm up
-                reset()
+            for replay in range(warmup + replays):
                 self.check(self.lib.paddle_step_event_record(start, self.stream), "cudaEventRecord")
-                launch(self.stream)
+                self.check(
+                    self.lib.paddle_step_graph_launch(exec_handle, self.stream), "cudaGraphLaunch"
+                )
                 self.check(self.lib.paddle_step_event_record(end, self.stream), "cudaEventRecord")
                 elapsed = ctypes.c_float()
                 self.check(
                     self.lib.paddle_step_event_elapsed_ms(start, end, ctypes.byref(elapsed)),
                     "cudaEventElapsedTime",
                 )
-                times.append(elapsed.value)
+                if replay >= warmup:
+                    times.append(elapsed.value)
         finally:
             self.lib.paddle_step_event_destroy(start)
             self.lib.paddle_step_event_destroy(end)
-        return statistics.median(times[3:])
+        return min(times)
+
+    def host_us_per_call(self, launch, count: int, warmup: int = 10) -> float:
+        """Host wall time per call: time.perf_counter around `count` calls of
+        `launch()` (direct ctypes launches on the harness's stream) and one
+        stream synchronize after them, divided by `count`."""
+        for _ in range(warmup):
+            launch()
+        self.check(self.lib.paddle_step_stream_synchronize(self.stream), "cudaStreamSynchronize")
+        begin = time.perf_counter()
+        for _ in range(count):
+            launch()
+        status = self.lib.paddle_step_stream_synchronize(self.stream)
+        elapsed = time.perf_counter() - begin
+        self.check(status, "cudaStreamSynchronize")
+        return elapsed / count * 1e6
 
 
 def _dtype(buffer) -> np.dtype:

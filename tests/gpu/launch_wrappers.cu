@@ -1,11 +1,13 @@
 // C entry points for the Paddle-free GPU test harness (tests/gpu): raw device
 // pointers, sizes and a stream in, the op's launchers called exactly as the
-// Paddle glue (ops/step_paddle.cc, ops/advance_step.cc) calls them. No kernel
-// code here. Every function returns a cudaError_t as int (0 = success).
+// Paddle glue (ops/step_paddle.cc, ops/advance_step.cc) calls them. No op
+// kernel code here; the one kernel below (x += 1) is the timing floor. Every
+// function returns a cudaError_t as int (0 = success).
 // Streams, events and graphs are opaque handles passed as void*.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "gpu_launchers.h"
 
@@ -31,6 +33,13 @@ cudaError_t AdvanceStep(void* input_tokens, const void* sampled_token_ids,
   params.blocks_per_seq = blocks_per_seq;
   params.block_size = block_size;
   return paddle_step::LaunchAdvanceStep(params, stream);
+}
+
+// The timing floor (test_gpu_timing.py): the cheapest useful kernel, one
+// int64 increment per element.
+__global__ void AddOneKernel(int64_t* x, int64_t n) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) x[i] += 1;
 }
 
 }  // namespace
@@ -107,6 +116,27 @@ int paddle_step_device_count(int* count) {
   return status;
 }
 
+// Name, CUDA runtime and driver versions (e.g. 13000) and compute capability
+// of the current device, for the timing report.
+int paddle_step_device_info(char* name, int name_len, int* runtime_version,
+                            int* driver_version, int* major, int* minor) {
+  int device = 0;
+  cudaError_t status = cudaGetDevice(&device);
+  if (status != cudaSuccess) return status;
+  cudaDeviceProp prop;
+  status = cudaGetDeviceProperties(&prop, device);
+  if (status != cudaSuccess) return status;
+  if (name_len > 0) {
+    std::strncpy(name, prop.name, static_cast<size_t>(name_len) - 1);
+    name[name_len - 1] = '\0';
+  }
+  *major = prop.major;
+  *minor = prop.minor;
+  status = cudaRuntimeGetVersion(runtime_version);
+  if (status != cudaSuccess) return status;
+  return cudaDriverGetVersion(driver_version);
+}
+
 int paddle_step_gpu_count() {
   int count = 0;
   paddle_step_device_count(&count);
@@ -171,6 +201,26 @@ int paddle_step_graph_launch(void* graph_exec, void* stream) {
 
 int paddle_step_graph_destroy(void* graph_exec) {
   return cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(graph_exec));
+}
+
+// Device-to-device copy on `stream` (capturable: a memcpy node in a graph).
+int paddle_step_memcpy_device(void* dst, const void* src, int64_t bytes,
+                              void* stream) {
+  if (bytes < 0) return cudaErrorInvalidValue;
+  return cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes),
+                         cudaMemcpyDeviceToDevice,
+                         static_cast<cudaStream_t>(stream));
+}
+
+// x[i] += 1 for i < n (int64), on `stream`: the one-kernel timing floor.
+int paddle_step_add_one(void* x, int64_t n, void* stream) {
+  if (n <= 0) return cudaErrorInvalidValue;
+  constexpr int kThreads = 256;
+  const int64_t blocks = (n + kThreads - 1) / kThreads;
+  AddOneKernel<<<static_cast<unsigned>(blocks), kThreads, 0,
+                 static_cast<cudaStream_t>(stream)>>>(static_cast<int64_t*>(x),
+                                                      n);
+  return cudaGetLastError();
 }
 
 int paddle_step_event_create(void** event) {

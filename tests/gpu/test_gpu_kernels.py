@@ -4,8 +4,8 @@ The cases are the CPU op tests' own (paddle_step.testing.step_paddle_cases and
 advance_step_cases), run with the GPU launchers (`gpu` fixture, conftest.py) as
 their `run_op`, over the same parametrizations. When paddle and the compiled
 op import, each GPU step_paddle / advance_step result is also compared with the
-CPU kernel. Then: CUDA-graph capture and replay of both ops, and kernel times
-(`pytest -s` shows them).
+CPU kernel. Then: CUDA-graph capture and replay of both ops. Kernel times are
+test_gpu_timing.py's.
 
 Every test skips, with the reason, without the built library, without
 CuPy/PyTorch or without a CUDA device (conftest.py).
@@ -217,48 +217,3 @@ def test_step_paddle_cuda_graph_batch_4096(gpu):
     assert _graph_decode_loop(gpu, loop, 8, max_steps=12) == 12
     used = np.asarray(loop.state()["used_list_len"]).reshape(-1)
     assert used[256:].sum() > 0 and loop.preemptions > 0
-
-
-# ---- Kernel times. ------------------------------------------------------
-
-TIMING_BATCHES = (1, 64, 256, 1024, 4096)
-
-
-def _busy_state(gpu, batch: int, block_size: int = 8) -> dict:
-    """A serving state: a tight fake loop run a few steps through the GPU kernel."""
-    loop = FakeDecodeLoop(
-        batch, 32, block_size, 4, max(4, 3 * batch // 8), max(8, 9 * batch // 4), seed=batch,
-        arrival_prob=0.9, stop_prob=0.05, prompt_len_range=(1, 8), output_len_range=(1, 24),
-        num_requests=4 * batch,
-    )  # fmt: skip
-    for _ in range(8):
-        loop.host_update()
-        loop.load(gpu.run_step_paddle(loop.state(), block_size))
-    loop.host_update()
-    return {name: array for name, array in loop.state().items() if name in STEP_PADDLE_TENSORS}
-
-
-def test_report_kernel_times(gpu):
-    """Median CUDA-event time of one launch (inputs restored between calls)."""
-    rows = []
-    for batch in TIMING_BATCHES:
-        state = _busy_state(gpu, batch)
-        step_buffers = gpu.upload(state)
-        step_ms = gpu.time_ms(
-            lambda stream: gpu.launch_step_paddle(step_buffers, 8, stream),
-            lambda: gpu.copy_into(step_buffers, state),
-        )
-        case, _ = make_case(
-            batch, batch, 16, np.int32, np.int32, False, np.random.default_rng(batch)
-        )
-        advance_buffers = gpu.upload(case)
-        advance_ms = gpu.time_ms(
-            lambda stream: gpu.launch_advance_step(advance_buffers, batch, batch, 16, stream),
-            lambda: gpu.copy_into(advance_buffers, case),
-        )
-        rows.append((batch, step_ms, advance_ms))
-        assert step_ms > 0 and advance_ms > 0
-    print(f"\n[tests/gpu] kernel times, CUDA events, median of 50 launches ({gpu.backend.name})")
-    print(f"{'B':>6} {'step_paddle us':>15} {'advance_step us':>16}")
-    for batch, step_ms, advance_ms in rows:
-        print(f"{batch:>6} {step_ms * 1e3:>15.1f} {advance_ms * 1e3:>16.1f}")
