@@ -17,16 +17,13 @@ import argparse
 import asyncio
 import json
 import logging
-import socket
-import subprocess
-import sys
 import time
-from contextlib import contextmanager
 
 import httpx
 import numpy as np
 
 from paddle_step.engine_args import add_engine_arguments, build_engine, check_engine_arguments
+from paddle_step.testing.server_process import server_process
 
 PROMPT_STARTS = [
     "The for statement",
@@ -85,40 +82,6 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         if getattr(args, name) is not None:
             flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     return flags
-
-
-@contextmanager
-def server_process(args: argparse.Namespace, timeout_s: float = 120.0):
-    """A server on 127.0.0.1 in a subprocess; yields its URL, stops it afterwards."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "paddle_step.serve", "--port", str(port), *engine_flags(args)]
-    process = subprocess.Popen(
-        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if process.poll() is not None:
-                raise SystemExit(f"bench_serve: the server exited: {process.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit(f"bench_serve: no /health answer within {timeout_s:.0f} s")
-            time.sleep(0.3)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
 
 
 async def one_request(
@@ -207,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
             asyncio.run(run_at(args.url, model_name, prompts, args.max_tokens, c)) for c in levels
         ]
     else:
-        with server_process(args) as url:
+        with server_process(engine_flags(args)) as url:
             asyncio.run(run_at(url, model_name, prompts[:2], 2, 1))  # warm-up
             rows = [
                 asyncio.run(run_at(url, model_name, prompts, args.max_tokens, c)) for c in levels

@@ -10,9 +10,6 @@ import asyncio
 import json
 import random
 import shutil
-import socket
-import subprocess
-import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -24,6 +21,7 @@ import pytest
 import uvicorn
 
 from paddle_step import serve
+from paddle_step.testing.server_process import server_process
 
 GOLDEN_LLAMA = Path(__file__).parent / "data" / "hf-tiny" / "llama-tiny"
 CHAT_TEMPLATE = (
@@ -325,35 +323,6 @@ def test_concurrent_streams_with_cancellations(served, offline):
     loop.engine.state.check()
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_server_process_starts_and_answers_health():
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "paddle_step.serve", "--port", str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.stdout.read()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "no /health answer within 120 s"
-            time.sleep(0.5)
-    finally:
-        process.terminate()
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
+    with server_process(timeout_s=120) as url:  # the shipped model, default flags
+        assert httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"] == "pydoc-tiny"

@@ -7,5 +7,6 @@
 - ``step_paddle_cases``, ``advance_step_cases``: the op test cases, run by any build
   through a ``run_op`` callable;
 - ``paddle_ops``: the compiled ops as such callables (the only module here that needs
-  paddle; nothing imports it implicitly).
+  paddle; nothing imports it implicitly);
+- ``server_process``: the server in a subprocess on 127.0.0.1 (needs httpx).
 """

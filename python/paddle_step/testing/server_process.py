@@ -1,0 +1,60 @@
+"""``python -m paddle_step.serve`` in a subprocess on 127.0.0.1, for tests and benchmarks:
+started on a free port, waited for until ``/health`` answers, and always stopped."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import httpx
+
+__all__ = ["free_port", "server_process"]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextmanager
+def server_process(flags: Sequence[str] = (), timeout_s: float = 120.0) -> Iterator[str]:
+    """Yields the URL of a server started with ``flags``; raises ``RuntimeError`` (with
+    the server's output) if it exits or does not answer ``/health`` within ``timeout_s``."""
+    port = free_port()
+    command = [sys.executable, "-m", "paddle_step.serve", "--port", str(port), *flags]
+    # Its log goes to a file: a pipe nobody reads would fill up and stall the server.
+    log = tempfile.TemporaryFile(mode="w+")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not _healthy(url):
+            if process.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"the server exited: {log.read()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server gave no /health answer within {timeout_s:.0f} s")
+            time.sleep(0.3)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+        log.close()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
