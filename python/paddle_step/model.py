@@ -438,9 +438,10 @@ class DecoderLayer(nn.Layer):
     def _row_parallel(
         self, x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None
     ) -> paddle.Tensor:
-        if self.all_reduce is None:
-            return _linear(x, weight, bias)
-        out = self.all_reduce(paddle.matmul(x, weight))
+        """``x @ weight + bias``, the product summed over the ranks before the bias."""
+        out = paddle.matmul(x, weight)
+        if self.all_reduce is not None:
+            out = self.all_reduce(out)
         return out if bias is None else out + bias
 
 
