@@ -11,6 +11,11 @@ Face checkpoint (Llama, Mistral, Qwen2), ``--model random`` a random-weight Tiny
         --kv-blocks 60 --decoder-pool-ratio 0.2     # tight pool: preemption and recovery
     python examples/generate.py --num-requests 16 --naive   # no cache, full recompute
     python examples/generate.py --json              # one JSON object on stdout
+    python -m paddle.distributed.launch --nproc_per_node 2 \
+        examples/generate.py --tp 2 --check-ranks   # tensor parallel, 2 processes
+
+With ``--tp`` > 1 every rank runs the same engine on its shard of the model; rank 0 alone
+prints (the launcher shows rank 0's output and keeps each rank's in its --log_dir).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from paddle_step.engine_args import (
 )
 from paddle_step.naive import generate_naive
 from paddle_step.sequence import GenerationResult, GenerationStats
+from paddle_step.tensor_parallel import RankDivergenceError
 
 try:  # optional: only the progress bar needs it
     from tqdm import tqdm
@@ -94,6 +100,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--num-requests: expected >= 0, got {args.num_requests}")
     if args.max_new_tokens <= 0:
         parser.error(f"--max-new-tokens: expected > 0, got {args.max_new_tokens}")
+    if args.naive and args.tp != 1:
+        parser.error(f"--naive: runs in one process, expected --tp 1, got --tp {args.tp}")
     return args
 
 
@@ -105,9 +113,12 @@ def random_prompts(count: int, seed: int) -> list[str]:
 
 
 @contextmanager
-def progress_bar(total: int) -> Iterator[Callable[[int], object]]:
-    """Yields ``update(finished_count)`` of a progress bar on stderr; without tqdm, says
-    so in one line and yields a no-op."""
+def progress_bar(total: int, shown: bool = True) -> Iterator[Callable[[int], object]]:
+    """Yields ``update(finished_count)`` of a progress bar on stderr (a no-op when not
+    ``shown``); without tqdm, says so in one line and yields a no-op."""
+    if not shown:
+        yield lambda count: None
+        return
     if tqdm is None:
         print(
             "generate.py: no progress bar (optional package 'tqdm' not installed)", file=sys.stderr
@@ -145,7 +156,7 @@ def run(
     except ValueError as error:  # a checkpoint, budget or prompt the engine cannot run
         raise SystemExit(f"generate.py: {error}") from None
 
-    with progress_bar(len(prompts)) as update:
+    with progress_bar(len(prompts), shown=is_rank_zero(loaded)) as update:
         if engine is None:
             results, stats = generate_naive(
                 loaded.model,
@@ -170,9 +181,16 @@ def run(
             )
         except StateError:  # --check-state found a broken state: a bug, keep the trace
             raise
+        except RankDivergenceError as error:  # --check-ranks: the message names the tensor
+            raise SystemExit(f"generate.py: {error}") from None
         except ValueError as error:  # a request the engine cannot run (before any step)
             raise SystemExit(f"generate.py: {error}") from None
         return loaded, results, engine.stats
+
+
+def is_rank_zero(loaded: LoadedModel) -> bool:
+    """Whether this process prints: the only one, or rank 0 of the tensor-parallel group."""
+    return loaded.tensor_parallel is None or loaded.tensor_parallel.rank == 0
 
 
 def continuation(loaded: LoadedModel, result: GenerationResult) -> str:
@@ -208,6 +226,8 @@ def print_report(
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     loaded, results, stats = run(args)
+    if not is_rank_zero(loaded):
+        return
     if args.json:
         requests = [
             {**result.to_dict(), "text": continuation(loaded, result)} for result in results

@@ -55,6 +55,8 @@ class Engine:
             (draws are keyed by request id and token index).
         check_state: debug mode: validate the slot state (SPEC's invariants via
             ``check_state``, and prompt-block conservation) after every step.
+        after_step: called with the engine at the end of every step (e.g.
+            ``tensor_parallel.RankChecker``, which compares the ranks' states).
     """
 
     def __init__(
@@ -66,6 +68,7 @@ class Engine:
         eos_token_ids: Sequence[int] | None = None,
         seed: int = 0,
         check_state: bool = False,
+        after_step: Callable[[Engine], object] | None = None,
     ) -> None:
         if not isinstance(config, EngineConfig):
             raise TypeError(
@@ -76,6 +79,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.seed = seed
         self.check_state = check_state
+        self.after_step = after_step
         self.scheduler = Scheduler(config)
         self.runner = ModelRunner(model, config)
         self.stats = GenerationStats()
@@ -234,6 +238,8 @@ class Engine:
             self._check_invariants()
         self.stats.steps += 1
         self.stats.elapsed += time.perf_counter() - started
+        if self.after_step is not None:
+            self.after_step(self)
 
         progressed = admitted or ran_any or outcome.recovered or finished
         if not progressed and self.has_unfinished():

@@ -5,6 +5,8 @@
 in the package), or ``random`` for a random-weight ``TinyLlama`` with the byte tokenizer.
 ``--max-model-len`` defaults to the model's context; when the KV budget cannot hold one
 sequence that long, it is reduced to what fits and a line on stderr says so.
+``--tp N`` shards the model over the N processes of ``paddle.distributed.launch`` (see
+``paddle_step.tensor_parallel``); each builds the same engine.
 """
 
 from __future__ import annotations
@@ -34,13 +36,15 @@ RANDOM_MODEL_CONTEXT = 256
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """A model with what serving it needs: its tokenizer, stop ids, context and name."""
+    """A model with what serving it needs: its tokenizer, stop ids, context and name, and
+    with ``--tp`` > 1 this process's place in the tensor-parallel group."""
 
-    model: object  # TinyLlama
+    model: object  # TinyLlama (this rank's shard with --tp > 1)
     tokenizer: object  # HFTokenizer or ByteTokenizer
     eos_token_ids: list[int]
     context_len: int
     name: str
+    tensor_parallel: object = None  # TensorParallel, or None for one process
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,38 +85,57 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="debug: validate the engine state after every step",
     )
+    group.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks: the launcher's world size, e.g. 'python -m "
+        "paddle.distributed.launch --nproc_per_node 2 ... --tp 2' (default 1: one process)",
+    )
+    group.add_argument(
+        "--check-ranks",
+        action="store_true",
+        help="debug (--tp > 1): compare every rank's scheduling state and sampled tokens "
+        "after every step, stop at the first difference",
+    )
 
 
 def check_engine_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``parser.error`` for flag values no engine can take."""
     if not 0 < args.decoder_pool_ratio < 1:
         parser.error(f"--decoder-pool-ratio: expected in (0, 1), got {args.decoder_pool_ratio}")
-    for name in ("max_batch", "block_size", "max_model_len", "kv_blocks"):
+    if args.check_ranks and args.tp == 1:
+        parser.error("--check-ranks: expected --tp > 1, got --tp 1")
+    for name in ("max_batch", "block_size", "max_model_len", "kv_blocks", "tp"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             parser.error(f"--{name.replace('_', '-')}: expected > 0, got {value}")
 
 
 def load_model(args: argparse.Namespace) -> LoadedModel:
-    """The model ``--model`` names, in ``--dtype``. Raises ``CheckpointError`` (a
-    ``ValueError``) for a checkpoint it cannot load."""
+    """The model ``--model`` names, in ``--dtype``; with ``--tp`` > 1, joins the process
+    group and keeps this rank's shard. Raises ``CheckpointError`` (a ``ValueError``) for a
+    checkpoint it cannot load, ``ValueError`` for a ``--tp`` that does not fit."""
+    from .tensor_parallel import init_tensor_parallel, shard_model
+
+    group = init_tensor_parallel(args.tp)
     if args.model == RANDOM_MODEL:
         from .model import ModelConfig, TinyLlama
         from .tokenizer import ByteTokenizer
 
         tokenizer = ByteTokenizer()
         model = TinyLlama(ModelConfig(dtype=args.dtype, seed=args.seed))
-        return LoadedModel(model, tokenizer, [tokenizer.eos_id], RANDOM_MODEL_CONTEXT, "random")
-    from .checkpoint import load_checkpoint
+        eos_token_ids, context_len, name = [tokenizer.eos_id], RANDOM_MODEL_CONTEXT, "random"
+    else:
+        from .checkpoint import load_checkpoint
 
-    loaded = load_checkpoint(args.model, dtype=args.dtype)
-    return LoadedModel(
-        loaded.model,
-        loaded.tokenizer,
-        list(loaded.eos_token_ids),
-        loaded.max_model_len,
-        loaded.name,
-    )
+        checkpoint = load_checkpoint(args.model, dtype=args.dtype)
+        model, tokenizer = checkpoint.model, checkpoint.tokenizer
+        eos_token_ids, context_len = list(checkpoint.eos_token_ids), checkpoint.max_model_len
+        name = checkpoint.name
+    if group is not None:
+        model = shard_model(model, group)
+    return LoadedModel(model, tokenizer, eos_token_ids, context_len, name, group)
 
 
 def engine_config(args: argparse.Namespace, context_len: int) -> EngineConfig:
@@ -170,6 +193,7 @@ def engine_config(args: argparse.Namespace, context_len: int) -> EngineConfig:
 def build_engine(args: argparse.Namespace, loaded: LoadedModel | None = None):
     """``(engine, loaded)`` for the flags (``loaded`` defaults to ``load_model(args)``)."""
     from .engine import Engine
+    from .tensor_parallel import RankChecker
 
     loaded = loaded if loaded is not None else load_model(args)
     config = engine_config(args, loaded.context_len)
@@ -179,5 +203,6 @@ def build_engine(args: argparse.Namespace, loaded: LoadedModel | None = None):
         eos_token_ids=loaded.eos_token_ids,
         seed=args.seed,
         check_state=args.check_state,
+        after_step=RankChecker(loaded.tensor_parallel) if args.check_ranks else None,
     )
     return engine, loaded

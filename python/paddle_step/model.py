@@ -30,6 +30,9 @@ from .tokenizer import ByteTokenizer
 
 # attend(q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> attention output [T, H * D]
 AttendFn = Callable[[paddle.Tensor, paddle.Tensor, paddle.Tensor], paddle.Tensor]
+# all_reduce(partial) -> the sum of ``partial`` over the tensor-parallel ranks (every rank
+# gets the same tensor); see ``paddle_step.tensor_parallel``.
+AllReduceFn = Callable[[paddle.Tensor], paddle.Tensor]
 
 
 @dataclass(frozen=True)
@@ -362,11 +365,22 @@ class DecoderLayer(nn.Layer):
 
     How attention finds its keys is left to the caller (``attend``), which is the only thing
     that differs between the naive and the paged forward. Matrices are [in, out] (x @ W).
+
+    With ``all_reduce``, the layer holds one tensor-parallel rank's shard (``wo`` and
+    ``w_down`` are row slices): their products are partial sums, reduced before the
+    residual add, and ``o_bias`` is added once, after the reduction.
     """
 
-    def __init__(self, config: ModelConfig, prefix: str, values: ParameterValues) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        prefix: str,
+        values: ParameterValues,
+        all_reduce: AllReduceFn | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
+        self.all_reduce = all_reduce
         hidden, head_dim = config.hidden_size, config.head_dim
         q_width, kv_width = config.num_heads * head_dim, config.num_kv_heads * head_dim
 
@@ -415,11 +429,20 @@ class DecoderLayer(nn.Layer):
         cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        x = x + _linear(attend(q, k, v), self.wo, self.o_bias)
+        x = x + self._row_parallel(attend(q, k, v), self.wo, self.o_bias)
 
         h = self.mlp_norm(x)
         gated = nn.functional.silu(paddle.matmul(h, self.w_gate)) * paddle.matmul(h, self.w_up)
-        return x + paddle.matmul(gated, self.w_down)
+        return x + self._row_parallel(gated, self.w_down, None)
+
+    def _row_parallel(
+        self, x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None
+    ) -> paddle.Tensor:
+        """``x @ weight + bias``, the product summed over the ranks before the bias."""
+        out = paddle.matmul(x, weight)
+        if self.all_reduce is not None:
+            out = self.all_reduce(out)
+        return out if bias is None else out + bias
 
 
 class TinyLlama(nn.Layer):
@@ -431,10 +454,18 @@ class TinyLlama(nn.Layer):
     ``weights`` maps every parameter name (as ``named_parameters`` lists them, e.g.
     ``layers.0.wq``; matrices [in, out]) to its array; without it the weights are drawn from
     ``config.seed``.
+
+    ``all_reduce``: for one tensor-parallel rank's shard (``config`` with this rank's head
+    counts and intermediate size, ``weights`` its slices, see ``paddle_step.tensor_parallel``):
+    sums the row-parallel products over the ranks.
     """
 
     def __init__(
-        self, config: ModelConfig, weights: Mapping[str, np.ndarray] | None = None
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, np.ndarray] | None = None,
+        *,
+        all_reduce: AllReduceFn | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -473,7 +504,10 @@ class TinyLlama(nn.Layer):
             "embed", [vocab, hidden], lambda rng: rng.standard_normal((vocab, hidden))
         )
         self.layers = nn.LayerList(
-            [DecoderLayer(config, f"layers.{i}", values) for i in range(config.num_layers)]
+            [
+                DecoderLayer(config, f"layers.{i}", values, all_reduce)
+                for i in range(config.num_layers)
+            ]
         )
         self.final_norm = RMSNorm(
             values("final_norm.weight", [hidden], _ones(hidden)), config.rms_eps, config.dtype

@@ -31,6 +31,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
     check_engine_arguments(parser, args)
+    if args.tp != 1:
+        # Requests reach rank 0's HTTP server only; the other ranks would need them
+        # forwarded in the same order to build the same schedule, which is not done yet.
+        parser.error(
+            f"--tp: the server runs one process, expected 1, got {args.tp} "
+            "(tensor parallelism: examples/generate.py)"
+        )
     return args
 
 

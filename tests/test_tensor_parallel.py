@@ -1,0 +1,182 @@
+"""Tensor parallelism: the shards of every weight, the refusals, and 2 real processes under
+``paddle.distributed.launch`` (gloo on CPU) giving TP=1's tokens with identical schedules
+on both ranks (``--check-ranks``), and catching a planted divergence."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from paddle_step.checkpoint import load_checkpoint
+from paddle_step.model import ModelConfig
+from paddle_step.serve import parse_args as serve_parse_args
+from paddle_step.tensor_parallel import shard_config, shard_weights
+
+REPO = Path(__file__).resolve().parents[1]
+CHECKPOINTS = REPO / "tests" / "data" / "hf-tiny"
+LAUNCH_TIMEOUT_S = 120
+# Two processes on a tight budget: 8 slots share a 16-block decoder pool (one full
+# sequence), so requests are preempted and recovered.
+TIGHT = (
+    "--dtype", "float64", "--num-requests", "16", "--max-new-tokens", "16",
+    "--max-batch", "8", "--block-size", "4", "--max-model-len", "64",
+    "--kv-blocks", "80", "--decoder-pool-ratio", "0.2", "--ignore-eos", "--json",
+)  # fmt: skip
+
+
+def load_generate():
+    spec = importlib.util.spec_from_file_location("generate", REPO / "examples" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def tp1_token_ids(*args: str) -> list[list[int]]:
+    """TP=1 in this process: the reference."""
+    generate = load_generate()
+    _, results, stats = generate.run(generate.parse_args(list(args)))
+    assert stats.preemptions > 0, stats
+    return [result.token_ids for result in results]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(script: Path, *args: str, log_dir: Path) -> subprocess.CompletedProcess:
+    """``script`` on 2 ranks under Paddle's launcher; what the user sees (its stdout,
+    which carries rank 0's output) and its exit code."""
+    command = [
+        sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2",
+        "--master", f"127.0.0.1:{free_port()}", "--log_dir", str(log_dir),
+        str(script), *args, "--tp", "2",
+    ]  # fmt: skip
+    # A new session: on timeout the launcher and both ranks are killed together.
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, 9)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def launch_generate(tmp_path: Path, *args: str) -> dict:
+    """generate.py on 2 ranks with --check-ranks: rank 0's one JSON object."""
+    completed = launch(
+        REPO / "examples" / "generate.py", *args, "--check-ranks", log_dir=tmp_path / "log"
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    # The launcher mixes rank 0's stderr and Paddle's own log lines into its stdout: the
+    # result is its one JSON line; rank 1 prints none.
+    (result,) = json_lines(completed.stdout)
+    assert json_lines((tmp_path / "log" / "workerlog.1").read_text()) == []
+    return result
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen2-tiny"])
+def test_tp2_greedy_equals_tp1_under_preemption(tmp_path, name):
+    args = ("--model", str(CHECKPOINTS / name), *TIGHT)
+    result = launch_generate(tmp_path, *args)
+    assert result["stats"]["preemptions"] > 0 and result["stats"]["recoveries"] > 0
+    assert [r["token_ids"] for r in result["requests"]] == tp1_token_ids(*args)
+
+
+def test_tp2_sampling_equals_tp1(tmp_path):
+    # --check-ranks compares both ranks' sampled tokens every step.
+    args = ("--model", str(CHECKPOINTS / "qwen2-tiny"), *TIGHT, "--temperature", "0.8")
+    args += ("--seed", "7")
+    result = launch_generate(tmp_path, *args)
+    assert [r["token_ids"] for r in result["requests"]] == tp1_token_ids(*args)
+
+
+def test_check_ranks_names_the_tensor_that_diverged(tmp_path):
+    args = ("--model", str(CHECKPOINTS / "llama-tiny"), *TIGHT, "--check-ranks")
+    completed = launch(REPO / "tests" / "tp_diverge.py", *args, log_dir=tmp_path / "log")
+    assert completed.returncode != 0
+    message = (
+        "--check-ranks: after step 3: tensor 'free_list' differs between rank 0 and rank(s) [1]"
+    )
+    assert message in completed.stdout
+    assert json_lines(completed.stdout) == []
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen2-tiny"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_shards_reassemble_to_the_full_weights(name, world_size):
+    model = load_checkpoint(CHECKPOINTS / name, dtype="float64").model
+    config = model.config
+    full = {key: param.numpy() for key, param in model.named_parameters()}
+    shards = [shard_weights(full, config, rank, world_size) for rank in range(world_size)]
+    local = shard_config(config, world_size)
+    assert local.num_heads == config.num_heads // world_size
+    assert local.intermediate_size == config.intermediate_size // world_size
+    kv_width = local.num_kv_heads * config.head_dim
+    ranks_per_kv_head = max(1, world_size // config.num_kv_heads)
+    for key, array in full.items():
+        leaf = key.rsplit(".", 1)[-1]
+        parts = [shard[key] for shard in shards]
+        if leaf in ("wq", "q_bias", "w_gate", "w_up"):
+            np.testing.assert_array_equal(np.concatenate(parts, axis=-1), array)
+        elif leaf in ("wo", "w_down"):
+            np.testing.assert_array_equal(np.concatenate(parts, axis=0), array)
+        elif leaf in ("wk", "wv", "k_bias", "v_bias"):
+            # Replicated KV heads (world_size 4 > 2 KV heads): each rank group holds one.
+            distinct = parts[::ranks_per_kv_head]
+            assert all(part.shape[-1] == kv_width for part in parts)
+            np.testing.assert_array_equal(np.concatenate(distinct, axis=-1), array)
+            for rank, part in enumerate(parts):
+                np.testing.assert_array_equal(part, distinct[rank // ranks_per_kv_head])
+        else:
+            assert all(part is array for part in parts), key
+
+
+def test_refuses_heads_that_do_not_divide():
+    with pytest.raises(ValueError, match=r"--tp: expected a divisor of num_heads \(9\), got 2"):
+        shard_config(ModelConfig(hidden_size=576, num_heads=9, num_kv_heads=3), 2)
+    with pytest.raises(
+        ValueError, match=r"--tp: expected a divisor or a multiple of num_kv_heads \(3\), got 2"
+    ):
+        shard_config(ModelConfig(hidden_size=72, num_heads=6, num_kv_heads=3), 2)
+
+
+def test_tp_must_equal_the_launchers_world_size():
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PADDLE_")}
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "generate.py"), "--model", "random", "--tp", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert completed.returncode != 0
+    assert "--tp: expected the launcher's world size (1;" in completed.stderr
+    assert "got 2" in completed.stderr
+
+
+def test_server_refuses_tp(capsys):
+    with pytest.raises(SystemExit):
+        serve_parse_args(["--tp", "2"])
+    assert "--tp: the server runs one process, expected 1, got 2" in capsys.readouterr().err
