@@ -43,11 +43,14 @@ def stop_like_update_inputs(state, slot):
     state["seq_lens_decoder"][slot] = 0
 
 
-def reset_scratch(expected):
-    """step_paddle always leaves its scratch lists reset."""
+def expected_start(state):
+    """A copy of ``state`` with the scratch lists reset, as step_paddle always leaves them;
+    a test writes the changes it expects on top."""
+    expected = copy_state(state)
     expected["need_block_list"][:] = -1
     expected["need_block_len"][0] = 0
     expected["recover_lens"][0] = 0
+    return expected
 
 
 def expect_preempted(expected, victims):
@@ -77,8 +80,7 @@ def test_free_returns_decoder_blocks_in_column_order():
     add_running(state, 2, encoder_blocks=[3], decoder_blocks=[23], seq_lens_decoder=5, prompt_len=3)
     result = ref_step_paddle(state, 4)
 
-    expected = copy_state(state)
-    reset_scratch(expected)
+    expected = expected_start(state)
     expected["free_list"][:] = [20, 21, 22, -1]  # column enc+0 first, so 22 ends on top
     expected["free_list_len"][0] = 3
     expected["block_tables"][0] = [0, 1, -1, -1, -1, -1]  # encoder blocks stay for the host
@@ -97,8 +99,7 @@ def test_sequence_at_end_of_table_is_stopped_and_freed_in_the_same_call():
     )
     result = ref_step_paddle(state, 4)
 
-    expected = copy_state(state)
-    reset_scratch(expected)
+    expected = expected_start(state)
     expected["stop_flags"][0] = True  # only stop_flags: seq_lens_* are the host's to reset
     expected["free_list"][:3] = [10, 11, 12]
     expected["free_list_len"][0] = 3
@@ -142,8 +143,7 @@ def test_dispatch_pops_pool_top_in_ascending_slot_order():
     add_running(state, 2, encoder_blocks=[4], seq_lens_decoder=4, prompt_len=2)  # column 1 empty
     result = ref_step_paddle(state, 4)
 
-    expected = copy_state(state)
-    reset_scratch(expected)
+    expected = expected_start(state)
     expected["block_tables"][0, 2] = 32
     expected["block_tables"][2, 1] = 31
     expected["used_list_len"][:] = [1, 0, 1]
@@ -170,8 +170,7 @@ def test_nothing_needy_and_empty_pool_changes_only_scratch():
     state["need_block_len"][0] = 2
     state["recover_lens"][0] = 1
     result = ref_step_paddle(state, 4)
-    expected = copy_state(state)
-    reset_scratch(expected)
+    expected = expected_start(state)
     assert_states_equal(result, expected)
 
 
@@ -190,8 +189,7 @@ def test_preempts_biggest_holder_lowest_slot_on_ties():
     add_running(state, 3, encoder_blocks=[3], seq_lens_decoder=4, prompt_len=2)  # needy
     result = ref_step_paddle(state, 4)
 
-    expected = copy_state(state)
-    reset_scratch(expected)
+    expected = expected_start(state)
     # Slot 1 (2 blocks, tied with slot 2) is the victim.
     expected["free_list"][:2] = [11, 12]
     expected["block_tables"][1] = [1, -1, -1, -1, -1, -1]
@@ -215,17 +213,15 @@ def test_victim_that_is_itself_needy_leaves_the_needy_list():
     assert result["step_block_list"].tolist() == [0] and result["step_lens"][0] == 1
 
 
+def full_holder_state(batch_size):
+    """L = 16, block_size 4: max_dec_blocks = 4, and slot 0 holds exactly 4; empty pool."""
+    state = make_state(batch_size, 6, 16, free_list=[], free_list_size=6)
+    add_running(state, 0, encoder_blocks=[], decoder_blocks=[10, 11, 12, 13], seq_lens_decoder=14)
+    return state
+
+
 def test_holders_of_max_dec_blocks_are_spared_while_others_hold_blocks():
-    # L = 16, block_size 4: max_dec_blocks = 4; slot 0 holds exactly 4.
-    state = make_state(3, 6, 16, free_list=[], free_list_size=6)
-    add_running(
-        state,
-        0,
-        encoder_blocks=[],
-        decoder_blocks=[10, 11, 12, 13],
-        seq_lens_decoder=14,
-        prompt_len=1,
-    )
+    state = full_holder_state(3)
     add_running(state, 1, encoder_blocks=[0], decoder_blocks=[14], seq_lens_decoder=6, prompt_len=2)
     add_running(state, 2, encoder_blocks=[1], seq_lens_decoder=4, prompt_len=2)  # needy
     result = ref_step_paddle(state, 4)
@@ -237,20 +233,11 @@ def test_holders_of_max_dec_blocks_are_spared_while_others_hold_blocks():
 
 
 def test_holders_of_max_dec_blocks_are_preempted_when_nobody_else_holds_any():
-    state = make_state(2, 6, 16, free_list=[], free_list_size=6)
-    add_running(
-        state,
-        0,
-        encoder_blocks=[],
-        decoder_blocks=[10, 11, 12, 13],
-        seq_lens_decoder=14,
-        prompt_len=1,
-    )
+    state = full_holder_state(2)
     add_running(state, 1, encoder_blocks=[1], seq_lens_decoder=4, prompt_len=2)  # needy
     result = ref_step_paddle(state, 4)
 
-    expected = copy_state(state)
-    reset_scratch(expected)
+    expected = expected_start(state)
     expected["free_list"][:4] = [10, 11, 12, 13]
     expected["block_tables"][0, :4] = -1
     expect_preempted(expected, [0])
@@ -267,8 +254,7 @@ def test_shortfall_preempts_needy_from_highest_slot_down():
         add_running(state, slot, encoder_blocks=[slot], seq_lens_decoder=4, prompt_len=3)
     result = ref_step_paddle(state, 4)
 
-    expected = copy_state(state)
-    reset_scratch(expected)
+    expected = expected_start(state)
     expect_preempted(expected, [3, 2, 1])
     expected["block_tables"][0, 1] = 20
     expected["used_list_len"][0] = 1
@@ -313,8 +299,7 @@ def test_recovery_budget_uses_each_sequences_own_encoder_length():
     )
     result = ref_step_paddle(state, 4)
 
-    expected = copy_state(state)
-    reset_scratch(expected)
+    expected = expected_start(state)
     # Top first: slot 1, budget max(1, min(3+1, 8-6, 8-6)) = 2; then slot 0,
     # budget min(3+1, 8-2, 8-2) = 4: 6 blocks in all.
     expected["recover_block_list"][:] = [1, 0]
@@ -346,8 +331,7 @@ def test_recovery_is_lifo_and_stops_at_the_first_that_does_not_fit():
     )  # budget 2
     result = ref_step_paddle(state, 4)
 
-    expected = copy_state(state)
-    reset_scratch(expected)
+    expected = expected_start(state)
     # Slot 2 fits (3 >= 2); slot 1 does not (1 < 2), so slot 0 waits behind it.
     expected["recover_block_list"][0] = 2
     expected["step_block_list"][:] = [0, 1, -1]

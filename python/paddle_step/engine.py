@@ -76,16 +76,15 @@ class Engine:
             )
         self.model = model
         self.config = config
-        self.tokenizer = tokenizer
         self.seed = seed
         self.check_state = check_state
         self.after_step = after_step
-        self.scheduler = Scheduler(config)
-        self.runner = ModelRunner(model, config)
-        self.stats = GenerationStats()
         if eos_token_ids is None:
             eos_token_ids = [tokenizer.eos_id] if tokenizer is not None else []
         self.eos_token_ids = tuple(int(token) for token in eos_token_ids)
+        self.scheduler = Scheduler(config)
+        self.runner = ModelRunner(model, config)
+        self.stats = GenerationStats()
         # (request id, token) of every token the last step generated, for streaming.
         self.last_step_tokens: list[tuple[int, int]] = []
         self._next_request_id = 0
