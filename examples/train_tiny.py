@@ -71,19 +71,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="wall-clock budget of the training loop; 0: no clock, --steps only (bit-reproducible)",
     )
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    parser.add_argument(
-        "--min-lr-ratio",
-        type=float,
-        default=0.1,
-        help="final LR as a fraction of --lr (cosine decay)",
-    )
+    parser.add_argument("--min-lr-ratio", type=float, default=0.1, help="final LR / --lr (cosine)")
     parser.add_argument("--warmup-steps", type=int, default=50, help="linear LR warmup")
-    parser.add_argument(
-        "--weight-decay",
-        type=float,
-        default=0.1,
-        help="AdamW decay of the weight matrices (not the norm gains)",
-    )
+    parser.add_argument("--weight-decay", type=float, default=0.1, help="AdamW, matrices only")
     parser.add_argument("--eval-every", type=int, default=250, help="steps between evaluations")
     parser.add_argument("--max-new-tokens", type=int, default=60, help="for the sample outputs")
     parser.add_argument(
