@@ -117,6 +117,14 @@ async def one_request(
     }
 
 
+async def step_seconds(client: httpx.AsyncClient, url: str) -> float:
+    """The server's ``paddle_step_engine_step_seconds_total``: time inside engine steps."""
+    for line in (await client.get(f"{url}/metrics")).text.splitlines():
+        if line.startswith("paddle_step_engine_step_seconds_total "):
+            return float(line.split()[1])
+    raise RuntimeError(f"{url}/metrics has no paddle_step_engine_step_seconds_total")
+
+
 async def run_at(
     url: str, model: str, prompts: list[str], max_tokens: int, concurrency: int
 ) -> dict:
@@ -128,14 +136,17 @@ async def run_at(
             async with gate:
                 return await one_request(client, url, model, prompt, max_tokens)
 
+        busy_before = await step_seconds(client, url)
         started = time.perf_counter()
         results = await asyncio.gather(*(gated(prompt) for prompt in prompts))
         elapsed = time.perf_counter() - started
+        busy = await step_seconds(client, url) - busy_before
     ttft = np.array([r["ttft"] for r in results]) * 1e3
     gaps = np.array([gap for r in results for gap in r["gaps"]]) * 1e3
     tokens = sum(r["tokens"] for r in results)
     return {
         "concurrency": concurrency,
+        "engine_busy": busy / elapsed,
         "requests_per_s": len(prompts) / elapsed,
         "output_tokens_per_s": tokens / elapsed,
         "tokens": tokens,
@@ -186,15 +197,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         "| concurrency | req/s | output tok/s | vs offline | TTFT p50 / p99 (ms) "
-        "| ITL p50 / p99 (ms) |"
+        "| ITL p50 / p99 (ms) | engine busy |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         print(
             f"| {row['concurrency']} | {row['requests_per_s']:.2f} | "
             f"{row['output_tokens_per_s']:.0f} | {row['ratio_to_offline']:.2f} | "
             f"{row['ttft_ms_p50']:.0f} / {row['ttft_ms_p99']:.0f} | "
-            f"{row['itl_ms_p50']:.1f} / {row['itl_ms_p99']:.1f} |"
+            f"{row['itl_ms_p50']:.1f} / {row['itl_ms_p99']:.1f} | {row['engine_busy']:.0%} |"
         )
 
 

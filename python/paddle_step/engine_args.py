@@ -26,6 +26,7 @@ __all__ = [
     "build_engine",
     "engine_config",
     "load_model",
+    "load_tokenizer",
 ]
 
 DEFAULT_MODEL = Path(__file__).parent / "models" / "pydoc-tiny"
@@ -136,6 +137,18 @@ def load_model(args: argparse.Namespace) -> LoadedModel:
     if group is not None:
         model = shard_model(model, group)
     return LoadedModel(model, tokenizer, eos_token_ids, context_len, name, group)
+
+
+def load_tokenizer(args: argparse.Namespace):
+    """The tokenizer of ``--model`` alone (no weights), for a process that only encodes
+    and decodes."""
+    if args.model == RANDOM_MODEL:
+        from .tokenizer import ByteTokenizer
+
+        return ByteTokenizer()
+    from .hf_tokenizer import HFTokenizer
+
+    return HFTokenizer.from_dir(args.model)
 
 
 def engine_config(args: argparse.Namespace, context_len: int) -> EngineConfig:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from .engine_args import add_engine_arguments, build_engine, check_engine_arguments
+from .engine_args import add_engine_arguments, build_engine, check_engine_arguments, load_tokenizer
 
 __all__ = ["build_app", "build_engine", "main", "parse_args"]
 
@@ -42,16 +42,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_app(args: argparse.Namespace):
-    """``(app, loop)``: the FastAPI app over a new engine, and its engine loop (started
-    and stopped with the app)."""
+    """``(app, loop)``: the engine started in its own process (``loop``), and the FastAPI
+    app over it, which stops it on shutdown. Raises ``ValueError`` for flags or a
+    checkpoint the engine cannot run."""
     from .serving.api import create_app
     from .serving.engine_loop import EngineLoop
 
-    engine, loaded = build_engine(args)
-    loop = EngineLoop(engine)
-    name = args.served_model_name or loaded.name
-    app = create_app(loop, loaded.tokenizer, name, engine.config.max_model_len)
-    return app, loop
+    tokenizer = load_tokenizer(args)  # the engine process loads the model
+    loop = EngineLoop(args)
+    try:
+        loop.start()
+    except RuntimeError as error:
+        raise ValueError(str(error)) from None
+    name = args.served_model_name or loop.info["name"]
+    return create_app(loop, tokenizer, name), loop
 
 
 def main(argv: list[str] | None = None) -> None:

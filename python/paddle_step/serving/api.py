@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API over an ``EngineLoop``.
 
-Handlers validate a request, tokenize it, submit it to the engine thread and relay its
+Handlers validate a request, tokenize it, submit it to the engine process and relay its
 tokens: as server-sent events (``stream: true``, one chunk per token that completes
 text, then ``data: [DONE]``) or as one JSON body. A client that disconnects aborts its
 request, which returns its slot and KV blocks to the engine.
@@ -33,17 +33,18 @@ __all__ = ["create_app"]
 _DISCONNECT_POLL_S = 0.5
 
 
-def create_app(loop: EngineLoop, tokenizer, model_name: str, max_model_len: int) -> FastAPI:
-    """The app; it starts ``loop``'s thread on startup and stops it on shutdown.
+def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
+    """The app over a started ``loop``; it stops the loop on shutdown.
 
     ``tokenizer`` needs ``encode(text)``, ``decode(ids, skip_special_tokens)``,
     ``vocab_size`` and ``encode_chat(messages)`` (the checkpoint's chat template; raises
     ``ValueError`` when the checkpoint has none).
     """
 
+    max_model_len = loop.info["max_model_len"]
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
-        loop.start()
         yield
         loop.stop()
 

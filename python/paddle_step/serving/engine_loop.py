@@ -1,26 +1,32 @@
-"""The one thread that steps the engine, and how HTTP handlers talk to it.
+"""The engine in a process of its own, and how HTTP handlers talk to it.
 
-Handlers never touch the engine: they post commands (add a request, abort one) to this
-thread and read their request's events from an ``asyncio.Queue``. The thread applies the
-commands between steps, steps while anything is waiting or running, and sleeps otherwise.
-A request arriving mid-generation therefore joins the very next step (continuous
-batching), and an abort takes effect before the next step, through the engine's own free
-path.
+The engine steps in a child process (as vLLM's engine core does), so its Python work
+and the server's (HTTP, JSON, detokenizing) run on two cores instead of taking turns at
+one interpreter lock. Handlers never touch the engine: they post commands (add a
+request, abort one) down a pipe and read their request's events from an
+``asyncio.Queue``. The child applies the commands between steps, steps while anything
+is waiting or running and sleeps on the pipe otherwise; after each step it sends that
+step's tokens and finishes, with the counters ``/metrics`` shows, in one message. A
+request arriving mid-generation joins the very next step (continuous batching), and an
+abort takes effect before the next step, through the engine's own free path.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import itertools
 import logging
-import queue
+import multiprocessing
 import threading
 from dataclasses import dataclass, field
-
-from ..engine import Engine
 
 __all__ = ["EngineLoop", "RequestHandle", "SamplingParams"]
 
 logger = logging.getLogger("paddle_step.serve")
+
+# How long the child may take to load the model and build the engine.
+START_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -45,108 +51,101 @@ class RequestHandle:
     prompt_ids: list[int]
     params: SamplingParams
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    request_id: int | None = None  # the engine's id, set by the loop thread
+    key: int | None = None  # the request's id between this process and the engine's
     done: bool = False  # set by the handler once it has read the last event
 
 
 class EngineLoop:
-    """Runs ``engine`` on a daemon thread; ``start()`` it once, ``stop()`` at shutdown."""
+    """Starts the engine of ``args`` (the engine flags) in a child process.
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.healthy = True
-        self.preemptions = 0
-        self.generated_tokens = 0
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wakeup = threading.Event()
-        self._stopping = False
+    ``start()`` waits until the model is loaded and fills ``info`` (model name,
+    ``max_model_len``, pool sizes); ``stats`` holds the counters of the latest step.
+    """
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        context = multiprocessing.get_context("spawn")  # paddle is not fork-safe
+        self._commands_in, self._commands_out = context.Pipe(duplex=False)
+        self._events_in, self._events_out = context.Pipe(duplex=False)
+        self._process = context.Process(
+            target=_run_engine,
+            args=(args, self._commands_in, self._events_out),
+            name="paddle_step-engine",
+            daemon=True,
+        )
+        self.healthy = False
+        self.info: dict = {}
+        self.stats: dict = {}
+        self._keys = itertools.count()
+        self._send_lock = threading.Lock()
         self._handles: dict[int, tuple[RequestHandle, asyncio.AbstractEventLoop]] = {}
-        self._thread = threading.Thread(target=self._run, name="paddle_step-engine", daemon=True)
+        self._reader = threading.Thread(target=self._read_events, daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        """Starts the child and waits for its model; raises ``RuntimeError`` with the
+        child's error if it cannot build the engine."""
+        self._process.start()
+        if not self._events_in.poll(START_TIMEOUT_S):
+            self._process.kill()
+            raise RuntimeError(f"the engine process did not start within {START_TIMEOUT_S:.0f} s")
+        kind, payload = self._events_in.recv()
+        if kind != "ready":
+            self._process.join(10)
+            raise RuntimeError(f"the engine process failed to start: {payload}")
+        self.info, self.stats = payload
+        self.healthy = True
+        self._reader.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._stopping = True
-        self._wakeup.set()
-        self._thread.join(timeout)
+        self._send(("stop",))
+        self._process.join(timeout)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(timeout)
 
     def submit(self, handle: RequestHandle) -> None:
         """Queues ``handle``'s request; call from the event loop that reads its events."""
-        self._post(("add", handle, asyncio.get_running_loop()))
+        handle.key = next(self._keys)
+        self._handles[handle.key] = (handle, asyncio.get_running_loop())
+        params = handle.params
+        eos = [] if params.ignore_eos else None
+        self._send(("add", handle.key, handle.prompt_ids, params.max_new_tokens, eos,
+                    params.temperature, params.top_p, params.seed))  # fmt: skip
 
     def abort(self, handle: RequestHandle) -> None:
         """Cancels ``handle``'s request (a no-op once it has finished)."""
-        self._post(("abort", handle, None))
+        if self._handles.pop(handle.key, None) is not None:
+            self._send(("abort", handle.key))
 
-    # ---------------------------------------------------------------- engine thread
-
-    def _post(self, command: tuple) -> None:
-        self._commands.put(command)
-        self._wakeup.set()
-
-    def _run(self) -> None:
-        while not self._stopping:
-            # Cleared before the commands are read, so a command posted after the read
-            # sets it again and the wait below returns at once.
-            self._wakeup.clear()
-            self._apply_commands()
-            if not self.engine.has_unfinished():
-                self._wakeup.wait()
-                continue
+    def _send(self, command: tuple) -> None:
+        with self._send_lock:
             try:
-                finished = self.engine.step()
-            except Exception as error:  # noqa: BLE001 - reported to every client below
-                logger.exception("engine step failed")
-                self.healthy = False
-                self._fail_all(f"engine step failed: {error}")
-                return
-            self.preemptions = self.engine.stats.preemptions
-            self.generated_tokens += len(self.engine.last_step_tokens)
-            events = [
-                (request_id, ("token", token)) for request_id, token in self.engine.last_step_tokens
-            ]
-            events += [(result.request_id, ("finish", result.finish_reason)) for result in finished]
-            self._emit_all(events)
-            for result in finished:
-                self._handles.pop(result.request_id, None)
-        self._fail_all("server shutting down")
+                self._commands_out.send(command)
+            except (BrokenPipeError, OSError):  # the child is gone; the reader reports it
+                pass
 
-    def _apply_commands(self) -> None:
+    def _read_events(self) -> None:
+        """Hands each step's events to the handlers' event loops, one wake-up per loop."""
         while True:
             try:
-                kind, handle, event_loop = self._commands.get_nowait()
-            except queue.Empty:
+                kind, payload = self._events_in.recv()
+            except (EOFError, OSError):
+                kind, payload = "failed", "the engine process exited"
+            if kind == "failed":
+                logger.error("engine failed: %s", payload)
+                self.healthy = False
+                self._deliver_all([(key, ("error", payload)) for key in list(self._handles)])
+                self._handles.clear()
                 return
-            if kind == "add":
-                self._add(handle, event_loop)
-            elif handle.request_id is not None and handle.request_id in self._handles:
-                self._handles.pop(handle.request_id)
-                self.engine.abort(handle.request_id)
+            events, self.stats = payload
+            self._deliver_all(events)
+            for key, (event_kind, _value) in events:
+                if event_kind != "token":
+                    self._handles.pop(key, None)
 
-    def _add(self, handle: RequestHandle, event_loop: asyncio.AbstractEventLoop) -> None:
-        params = handle.params
-        try:
-            request_id = self.engine.add_request(
-                handle.prompt_ids,
-                params.max_new_tokens,
-                eos_token_id=[] if params.ignore_eos else None,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                seed=params.seed,
-            )
-        except ValueError as error:  # the handler checked; the engine has the last word
-            _deliver(handle, event_loop, ("error", str(error)))
-            return
-        handle.request_id = request_id
-        self._handles[request_id] = (handle, event_loop)
-
-    def _emit_all(self, events: list[tuple[int, tuple]]) -> None:
-        """Delivers a step's events with one wake-up per event loop, not one per token:
-        each wake-up costs the loop thread a turn at the GIL the engine thread needs."""
+    def _deliver_all(self, events: list[tuple[int, tuple]]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for request_id, event in events:
-            entry = self._handles.get(request_id)
+        for key, event in events:
+            entry = self._handles.get(key)
             if entry is not None:
                 handle, event_loop = entry
                 by_loop.setdefault(event_loop, []).append((handle.events, event))
@@ -156,27 +155,74 @@ class EngineLoop:
             except RuntimeError:  # its event loop has closed: nobody is listening any more
                 pass
 
-    def _fail_all(self, message: str) -> None:
-        for handle, event_loop in self._handles.values():
-            _deliver(handle, event_loop, ("error", message))
-        self._handles.clear()
-        while True:  # requests posted but never added
-            try:
-                kind, handle, event_loop = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                _deliver(handle, event_loop, ("error", message))
-
 
 def _put_all(deliveries: list[tuple[asyncio.Queue, tuple]]) -> None:
     for events, event in deliveries:
         events.put_nowait(event)
 
 
-def _deliver(handle: RequestHandle, event_loop: asyncio.AbstractEventLoop, event: tuple) -> None:
-    """Puts ``event`` on ``handle``'s queue from the engine thread."""
+# ---------------------------------------------------------------- the child process
+
+
+def _run_engine(args: argparse.Namespace, commands, events) -> None:
+    """The child: builds the engine, then applies commands and steps until told to stop."""
+    from ..engine_args import build_engine
+
     try:
-        event_loop.call_soon_threadsafe(handle.events.put_nowait, event)
-    except RuntimeError:  # its event loop has closed: nobody is listening any more
-        pass
+        engine, loaded = build_engine(args)
+    except Exception as error:  # noqa: BLE001 - sent to the parent, which raises it
+        events.send(("failed", f"{type(error).__name__}: {error}"))
+        return
+    config = engine.config
+    info = {"name": loaded.name, "max_model_len": config.max_model_len,
+            "vocab_size": loaded.model.config.vocab_size,
+            "kv_total_blocks": config.num_decoder_blocks,
+            "kv_encoder_total_blocks": config.num_encoder_blocks}  # fmt: skip
+    events.send(("ready", (info, _stats(engine))))
+    request_ids: dict[int, int] = {}  # parent key -> engine request id
+    keys: dict[int, int] = {}  # engine request id -> parent key
+    while True:
+        step_events: list[tuple[int, tuple]] = []
+        # Block for a command only when there is nothing to step.
+        while commands.poll(0 if engine.has_unfinished() else None):
+            command = commands.recv()
+            if command[0] == "stop":
+                return
+            if command[0] == "add":
+                key, prompt_ids, max_new_tokens, eos, temperature, top_p, seed = command[1:]
+                try:
+                    request_id = engine.add_request(prompt_ids, max_new_tokens, eos,
+                                                    temperature, top_p, seed=seed)  # fmt: skip
+                except ValueError as error:
+                    step_events.append((key, ("error", str(error))))
+                    continue
+                request_ids[key], keys[request_id] = request_id, key
+            elif command[1] in request_ids:  # abort
+                engine.abort(request_ids.pop(command[1]))
+        if engine.has_unfinished():
+            try:
+                finished = engine.step()  # its time goes into engine.stats.elapsed
+            except Exception as error:  # noqa: BLE001 - every client gets it
+                events.send(("failed", f"engine step failed: {type(error).__name__}: {error}"))
+                return
+            step_events += [(keys[request_id], ("token", token))
+                            for request_id, token in engine.last_step_tokens
+                            if request_id in keys]  # fmt: skip
+            for result in finished:
+                key = keys.pop(result.request_id)
+                request_ids.pop(key, None)
+                step_events.append((key, ("finish", result.finish_reason)))
+        events.send(("step", (step_events, _stats(engine))))
+
+
+def _stats(engine) -> dict:
+    """The counters ``/metrics`` shows, after the latest step."""
+    return {
+        "kv_free_blocks": engine.free_decoder_blocks,
+        "kv_encoder_free_blocks": engine.encoder_blocks.num_free,
+        "requests_running": engine.num_running,
+        "requests_waiting": engine.num_waiting + engine.num_preempted,
+        "preemptions": engine.stats.preemptions,
+        "generated_tokens": engine.stats.generated_tokens,
+        "step_seconds": engine.stats.elapsed,
+    }

@@ -1,8 +1,7 @@
 """``GET /metrics``: the engine's counters in Prometheus' text format.
 
-A collector reads the values when scraped (no bookkeeping on the step path), from the
-engine loop's counters and the engine's host-side mirrors, which the engine thread
-updates once per step.
+A collector reads the values when scraped: the counters the engine process sent with
+its latest step, and the pool sizes it reported at start.
 """
 
 from __future__ import annotations
@@ -21,42 +20,32 @@ class _EngineCollector(Collector):
         self.loop = loop
 
     def collect(self):
-        engine = self.loop.engine
-        config = engine.config
+        stats, info = self.loop.stats, self.loop.info
         gauges = (
-            (
-                "kv_free_blocks",
-                "Decoder-pool KV blocks free (step_paddle's free_list_len)",
-                engine.free_decoder_blocks,
-            ),
-            ("kv_total_blocks", "Decoder-pool KV blocks in all", config.num_decoder_blocks),
-            (
-                "kv_encoder_free_blocks",
-                "Prompt (encoder) KV blocks free",
-                engine.encoder_blocks.num_free,
-            ),
-            (
-                "kv_encoder_total_blocks",
-                "Prompt (encoder) KV blocks in all",
-                config.num_encoder_blocks,
-            ),
-            ("requests_running", "Requests holding a slot and not preempted", engine.num_running),
-            (
-                "requests_waiting",
-                "Requests queued or preempted",
-                engine.num_waiting + engine.num_preempted,
-            ),
-        )
+            ("kv_free_blocks", "Decoder-pool KV blocks free (step_paddle's free_list_len)",
+             stats["kv_free_blocks"]),
+            ("kv_total_blocks", "Decoder-pool KV blocks in all", info["kv_total_blocks"]),
+            ("kv_encoder_free_blocks", "Prompt (encoder) KV blocks free",
+             stats["kv_encoder_free_blocks"]),
+            ("kv_encoder_total_blocks", "Prompt (encoder) KV blocks in all",
+             info["kv_encoder_total_blocks"]),
+            ("requests_running", "Requests holding a slot and not preempted",
+             stats["requests_running"]),
+            ("requests_waiting", "Requests queued or preempted", stats["requests_waiting"]),
+        )  # fmt: skip
         for name, documentation, value in gauges:
             yield GaugeMetricFamily(f"paddle_step_{name}", documentation, value=value)
         yield CounterMetricFamily(
-            "paddle_step_preemptions",
-            "Sequences preempted by step_paddle",
-            value=self.loop.preemptions,
+            "paddle_step_preemptions", "Sequences preempted by step_paddle",
+            value=stats["preemptions"],
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "paddle_step_generated_tokens", "Tokens generated", value=stats["generated_tokens"]
         )
         yield CounterMetricFamily(
-            "paddle_step_generated_tokens", "Tokens generated", value=self.loop.generated_tokens
-        )
+            "paddle_step_engine_step_seconds", "Time spent in engine steps",
+            value=stats["step_seconds"],
+        )  # fmt: skip
 
 
 def metrics_registry(loop: EngineLoop) -> CollectorRegistry:
