@@ -184,14 +184,25 @@ class PagedKVCache:
         paddle.index_put_(self.key, (layer_index, kept_slots), paddle.gather(k, kept))
         paddle.index_put_(self.value, (layer_index, kept_slots), paddle.gather(v, kept))
 
-    def gather(self, layer: int, slots: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """K and V at ``slots`` (any shape, all >= 0), each of shape
-        ``slots.shape + [kv_heads, head_dim]``."""
-        flat = slots.flatten()
-        tail = list(self.key.shape[2:])
-        k = paddle.gather(self.key[layer], flat).reshape([*slots.shape, *tail])
-        v = paddle.gather(self.value[layer], flat).reshape([*slots.shape, *tail])
-        return k, v
+    def head_major_rows(self, slots: paddle.Tensor) -> paddle.Tensor:
+        """Row of each (slot, KV head) in one layer's ``[num_slots * num_kv_heads, head_dim]``
+        view: [N, num_kv_heads, K] int64 for ``slots`` [N, K] (all >= 0). Computed once per
+        step for ``gather_head_major``, which every layer calls with it."""
+        heads = self.key.shape[2]
+        head_index = paddle.arange(heads, dtype="int64").reshape([1, heads, 1])
+        return slots.unsqueeze(1) * heads + head_index
+
+    def gather_head_major(
+        self, layer: int, rows: paddle.Tensor
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """K and V at ``rows`` (from ``head_major_rows``), each [N, num_kv_heads, K, head_dim]:
+        heads before keys, the layout attention multiplies in, so no transpose is needed
+        (paddle's CPU matmul is very slow on transposed, strided views)."""
+        flat = rows.flatten()
+        head_dim = self.key.shape[3]
+        k = paddle.gather(self.key[layer].reshape([-1, head_dim]), flat)
+        v = paddle.gather(self.value[layer].reshape([-1, head_dim]), flat)
+        return k.reshape([*rows.shape, head_dim]), v.reshape([*rows.shape, head_dim])
 
 
 def slots_through_table(
@@ -515,25 +526,36 @@ class TinyLlama(nn.Layer):
             x = layer(x, rope, attend_for_layer(index))
         return self.final_norm(x)
 
+    def _attention(
+        self, q: paddle.Tensor, keys: paddle.Tensor, values: paddle.Tensor, visible: paddle.Tensor
+    ) -> paddle.Tensor:
+        """Softmax attention of query batches over their own key sets, heads first.
+
+        ``q`` [N, KVH, G, T, D] (G = H // KVH query heads per KV head); ``keys``/``values``
+        [N, KVH, K, D]; ``visible`` bool broadcastable to [N, KVH, G, T, K]. All contiguous:
+        paddle's CPU matmul is very slow on strided (transposed) views. Returns
+        [N, KVH, G, T, D].
+        """
+        scores = paddle.matmul(q, keys.unsqueeze(2), transpose_y=True) / math.sqrt(
+            self.config.head_dim
+        )
+        scores = paddle.where(visible, scores, paddle.full_like(scores, float("-inf")))
+        return paddle.matmul(nn.functional.softmax(scores, axis=-1), values.unsqueeze(2))
+
     def _grouped_attention(
         self, q: paddle.Tensor, keys: paddle.Tensor, values: paddle.Tensor, visible: paddle.Tensor
     ) -> paddle.Tensor:
-        """Softmax attention of query batches over their own key sets.
-
-        ``q`` [N, T, H, D]; ``keys``/``values`` [N, K, KVH, D]; ``visible`` bool broadcastable
-        to [N, KVH, G, T, K] (G = H // KVH). Returns [N, T, H * D].
-        """
+        """``_attention`` over token-major inputs: ``q`` [N, T, H, D]; ``keys``/``values``
+        [N, K, KVH, D]; ``visible`` broadcastable to [N, KVH, G, T, K]. Returns
+        [N, T, H * D]."""
         cfg = self.config
         batches, tokens = q.shape[0], q.shape[1]
         groups = cfg.num_heads // cfg.num_kv_heads
         q = q.reshape([batches, tokens, cfg.num_kv_heads, groups, cfg.head_dim])
-        q = q.transpose([0, 2, 3, 1, 4])  # [N, KVH, G, T, D]
-        k = keys.transpose([0, 2, 3, 1]).unsqueeze(2)  # [N, KVH, 1, D, K]
-        v = values.transpose([0, 2, 1, 3]).unsqueeze(2)  # [N, KVH, 1, K, D]
-        scores = paddle.matmul(q, k) / math.sqrt(cfg.head_dim)
-        scores = paddle.where(visible, scores, paddle.full_like(scores, float("-inf")))
-        out = paddle.matmul(nn.functional.softmax(scores, axis=-1), v)  # [N, KVH, G, T, D]
-        out = out.transpose([0, 3, 1, 2, 4])  # [N, T, KVH, G, D]
+        q = q.transpose([0, 2, 3, 1, 4]).contiguous()  # [N, KVH, G, T, D]
+        k = keys.transpose([0, 2, 1, 3]).contiguous()  # [N, KVH, K, D]
+        v = values.transpose([0, 2, 1, 3]).contiguous()
+        out = self._attention(q, k, v, visible).transpose([0, 3, 1, 2, 4])  # [N, T, KVH, G, D]
         return out.reshape([batches, tokens, cfg.num_heads * cfg.head_dim])
 
     def _logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
@@ -617,7 +639,10 @@ class TinyLlama(nn.Layer):
             # Causal and in-table keys only; hidden keys read slot 0 and get zero weight.
             visible = (key_slots >= 0) & (key_positions <= decode_positions.unsqueeze(1))
             key_slots = paddle.where(visible, key_slots, paddle.zeros_like(key_slots))
+            key_rows = kv_cache.head_major_rows(key_slots)  # [Td, KVH, K], shared by layers
             visible = visible.unsqueeze(1).unsqueeze(1).unsqueeze(3)  # [Td, 1, 1, 1, K]
+            cfg = self.config
+            groups = cfg.num_heads // cfg.num_kv_heads
 
         def padded(x: paddle.Tensor) -> paddle.Tensor:
             """[T, heads, D] -> the prefill rows' tokens, [R, L, heads, D]."""
@@ -633,11 +658,13 @@ class TinyLlama(nn.Layer):
                     out = out.reshape([layout.num_rows * layout.width, -1])
                     outputs.append(paddle.gather(out, layout.unpad_index))
                 if layout.decode_tokens.size:
-                    keys, values = kv_cache.gather(layer, key_slots)  # [Td, K, KVH, D] each
-                    # Each token is its own query batch of one, over its own key set.
+                    keys, values = kv_cache.gather_head_major(layer, key_rows)  # [Td, KVH, K, D]
+                    # Each token is its own query batch of one, over its own key set; with
+                    # one query per token, [Td, H, D] is [Td, KVH, G, 1, D] by a reshape.
                     decode_q = paddle.gather(q, decode_tokens) if layout.is_mixed else q
-                    out = self._grouped_attention(decode_q.unsqueeze(1), keys, values, visible)
-                    outputs.append(out.squeeze(1))
+                    decode_q = decode_q.reshape([-1, cfg.num_kv_heads, groups, 1, cfg.head_dim])
+                    out = self._attention(decode_q, keys, values, visible)
+                    outputs.append(out.reshape([out.shape[0], -1]))
                 if layout.is_mixed:
                     return paddle.gather(paddle.concat(outputs), layout.restore_order)
                 return outputs[0]
