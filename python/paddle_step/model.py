@@ -466,7 +466,8 @@ class DecoderLayer(nn.Layer):
 
         h = self.mlp_norm(x)
         gate, up = paddle.split(paddle.matmul(h, w_gate_up), 2, axis=1)
-        return x + paddle.matmul(nn.functional.silu(gate) * up, self.w_down)
+        gated = nn.functional.silu(gate) * up
+        return x + paddle.matmul(gated, self.w_down)
 
 
 class TinyLlama(nn.Layer):
@@ -570,9 +571,8 @@ class TinyLlama(nn.Layer):
 
         ``q`` [N, KVH, G, T, D] (G = H // KVH query heads per KV head); ``keys``/``values``
         [N, KVH, K, D]; ``mask`` (``_additive_mask``) broadcastable to [N, KVH, G, T, K].
-        All contiguous:
-        paddle's CPU matmul is very slow on strided (transposed) views. Returns
-        [N, KVH, G, T, D].
+        All contiguous: paddle's CPU matmul is very slow on strided (transposed) views.
+        Returns [N, KVH, G, T, D].
         """
         scores = paddle.matmul(q, keys.unsqueeze(2), transpose_y=True) / math.sqrt(
             self.config.head_dim
