@@ -598,7 +598,8 @@ def compare_main(args) -> dict:
     env = report["env"]
     print(
         f"Greedy generation, {COMPARE_PROMPT_LEN}-token prompts, random float32 weights, CPU, "
-        f"paddle {env['paddle']}, {env['cpu_count']} cores (shared, noisy machine); "
+        f"paddle {env['paddle']}, {env['cpu_count']} cores (shared, noisy machine), "
+        f"{env['blas_env']}; "
         f"medians of {args.repeats} alternated runs. tokens/s = B * new tokens / wall time "
         "(prefill included)."
     )
@@ -628,6 +629,11 @@ def environment() -> dict:
         "cpu_count": os.cpu_count(),
         "device": "cpu",
         "note": "shared machine, other jobs running; wall time per phase",
+        # Both change the CPU matmul kernels' speed a lot (MKL_DEBUG_CPU_TYPE=5 makes MKL
+        # take its AVX2 path on AMD CPUs).
+        "blas_env": {
+            name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "MKL_DEBUG_CPU_TYPE")
+        },
     }
 
 
