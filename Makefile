@@ -1,7 +1,8 @@
 # Two entry points do everything on a fresh clone (README):
 #   make demo   - set up .venv, build the ops, run examples/generate.py
 #   make test   - set up .venv, build the ops, run the test suite
-# Others: make build, make bench, make cuda-check, make gpu-test, make gpu-bench, make clean.
+# Others: make build, make bench, make bench-paddleformers, make cuda-check, make gpu-test,
+# make gpu-bench, make clean.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,7 +12,7 @@ PY = $(VENV)/bin/python
 OP_SOURCES = setup_ops.py requirements.txt $(shell find ops python -type f \( -name '*.cc' -o -name '*.cu' -o -name '*.h' -o -name '*.py' -o -name '*.json' -o -name '*.safetensors' \) 2>/dev/null)
 CUDA_HOME ?= /usr/local/cuda
 
-.PHONY: demo test build bench cuda-check gpu-test gpu-bench clean
+.PHONY: demo test build bench bench-paddleformers cuda-check gpu-test gpu-bench clean
 
 # Reinstalls when either requirements file changes.
 $(VENV)/.installed: requirements.txt requirements-dev.txt
@@ -38,6 +39,12 @@ test: build
 bench: build
 	$(PY) benchmarks/bench_ops.py
 	$(PY) benchmarks/bench_decode.py
+
+# Decode throughput against PaddleFormers' LlamaForCausalLM.generate on the same random
+# Llama-shaped checkpoints. PaddleFormers is heavy, so only this target installs it.
+bench-paddleformers: build
+	$(PY) -m pip install --quiet "paddleformers==1.2.0"
+	$(PY) benchmarks/bench_decode.py --paddleformers
 
 # The CUDA variant: paddlepaddle-gpu 2.6.2 (a CUDA 11.8 build that runs on CPU
 # without a GPU) and this machine's nvcc; builds, imports, and runs the op

@@ -32,17 +32,31 @@ every op call (peak reset before it): ``allocated`` = bytes still held after the
 tensors the ops write are compared before and after each call (same buffers = in place,
 no new tensors). The same stats for the whole step are reported for comparison.
 
+With ``--paddleformers``: greedy generation throughput of the engine against
+PaddleFormers' ``LlamaForCausalLM.generate`` on the same random Llama-shaped checkpoint
+(written to a temporary folder as safetensors + config.json, loaded by each side's own
+loader) and the same prompts: the issue's earlier shape (hidden 512, 8 layers, 8 heads,
+4 KV heads) and SmolLM2-135M's (30 layers, hidden 576, 9 heads, 3 KV heads, tied
+embeddings), B in 1, 8, 32, 32-token prompts. Reports tokens/s (prefill included), the
+share of a decode step spent outside the model forward, and whether both sides produced
+the same greedy ids. Without paddleformers installed (``make bench-paddleformers``
+installs it) the PaddleFormers column is skipped with a note.
+
 Usage: bench_decode.py [--quick] [--json] [--batches 1,8,64,256] [--steps N]
+       bench_decode.py --paddleformers [--shapes issue-512x8,smollm2-135m] [--repeats N]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
 import platform
+import shutil
 import sys
+import tempfile
 import time
 import warnings
 
@@ -55,6 +69,7 @@ import paddle  # noqa: E402
 from paddle.base import core  # noqa: E402
 
 import paddle_step.model_runner as runner_module  # noqa: E402
+from paddle_step.checkpoint import load_checkpoint  # noqa: E402
 from paddle_step.engine import Engine  # noqa: E402
 from paddle_step.model import ModelConfig, TinyLlama  # noqa: E402
 from paddle_step.state import EngineConfig  # noqa: E402
@@ -332,6 +347,296 @@ def print_table(report: dict) -> None:
         )
 
 
+# ---------------------------------------------------------------- against PaddleFormers
+
+# Llama shapes of the comparison (HF config.json fields): the issue's earlier figures'
+# shape, and SmolLM2-135M's. Random weights; nothing is downloaded.
+COMPARE_SHAPES = {
+    "issue-512x8": {
+        "hidden_size": 512,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "intermediate_size": 1536,
+        "vocab_size": 32000,
+        "tie_word_embeddings": False,
+    },
+    "smollm2-135m": {
+        "hidden_size": 576,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "intermediate_size": 1536,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+    },
+}
+COMPARE_BATCHES = (1, 8, 32)
+COMPARE_PROMPT_LEN = 32
+COMPARE_NEW_TOKENS = {"issue-512x8": 64, "smollm2-135m": 32}
+# Any tokenizer.json serves: the benchmark feeds token ids, the loader just needs one.
+TOKENIZER_DIR = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data", "hf-tiny", "llama-tiny"
+)
+
+
+def write_random_checkpoint(path: str, shape: dict, seed: int = 0) -> None:
+    """A Hugging Face Llama checkpoint directory with random float32 weights."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    hidden, head_dim = shape["hidden_size"], shape["head_dim"]
+    q_width = shape["num_attention_heads"] * head_dim
+    kv_width = shape["num_key_value_heads"] * head_dim
+    inter, vocab = shape["intermediate_size"], shape["vocab_size"]
+
+    def linear(fan_out, fan_in):  # HF layout [out, in]; 1/sqrt(fan_in) keeps O(1) activations
+        return (rng.standard_normal((fan_out, fan_in), dtype=np.float32) / np.sqrt(fan_in)).astype(
+            np.float32
+        )
+
+    tensors = {
+        "model.embed_tokens.weight": rng.standard_normal((vocab, hidden), dtype=np.float32),
+        "model.norm.weight": np.ones(hidden, np.float32),
+    }
+    if not shape["tie_word_embeddings"]:
+        tensors["lm_head.weight"] = linear(vocab, hidden)
+    for layer in range(shape["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}"
+        tensors[f"{prefix}.input_layernorm.weight"] = np.ones(hidden, np.float32)
+        tensors[f"{prefix}.post_attention_layernorm.weight"] = np.ones(hidden, np.float32)
+        for name, out_width, in_width in (
+            ("self_attn.q_proj", q_width, hidden),
+            ("self_attn.k_proj", kv_width, hidden),
+            ("self_attn.v_proj", kv_width, hidden),
+            ("self_attn.o_proj", hidden, q_width),
+            ("mlp.gate_proj", inter, hidden),
+            ("mlp.up_proj", inter, hidden),
+            ("mlp.down_proj", hidden, inter),
+        ):
+            tensors[f"{prefix}.{name}.weight"] = linear(out_width, in_width)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **shape,
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": None,
+        "eos_token_id": None,  # no stop: every request generates max_new_tokens
+        "pad_token_id": None,
+        "dtype": "float32",
+    }
+    with open(os.path.join(path, "config.json"), "w") as file:
+        json.dump(config, file, indent=1)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(TOKENIZER_DIR, name), path)
+
+
+def run_engine(model, prompts: list, new_tokens: int) -> dict:
+    """Greedy generation of ``prompts`` by our engine, every prompt in its own slot at
+    once; the step time split into the model forward and the rest."""
+    batch = len(prompts)
+    per_seq = -(-(COMPARE_PROMPT_LEN + new_tokens) // BLOCK_SIZE)
+    config = EngineConfig(
+        max_batch=batch,
+        max_model_len=per_seq * BLOCK_SIZE,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=2 * batch * (per_seq + 1),
+        decoder_pool_ratio=0.5,
+    )
+    engine = Engine(model, config)
+    probe = StepProbe(engine)
+    probe.install()
+    steps = []  # (step ns, forward ns)
+    try:
+        for prompt in prompts:
+            engine.add_request(prompt, new_tokens, eos_token_id=[])
+        results = {}
+        start = time.perf_counter()
+        while engine.has_unfinished():
+            probe.reset()
+            step_start = time.perf_counter_ns()
+            finished = engine.step()
+            steps.append((time.perf_counter_ns() - step_start, probe.current["forward"]))
+            results.update((r.request_id, r.token_ids) for r in finished)
+        elapsed = time.perf_counter() - start
+    finally:
+        probe.uninstall()
+    decode = steps[1:]  # the first step is every prompt's prefill
+    decode_step = sum(s for s, _ in decode)
+    return {
+        "seconds": elapsed,
+        "tokens_per_s": batch * new_tokens / elapsed,
+        "token_ids": [results[i] for i in sorted(results)],
+        "decode_steps": len(decode),
+        "decode_step_ms": decode_step / len(decode) / 1e6,
+        "outside_forward_share": 1 - sum(f for _, f in decode) / decode_step,
+    }
+
+
+def load_paddleformers(path: str):
+    """PaddleFormers' ``LlamaForCausalLM`` from a copy of ``path`` (loading writes a
+    metadata file into the folder), or None when paddleformers is not installed."""
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            from paddleformers.transformers import AutoConfig, LlamaForCausalLM
+    except ImportError:
+        return None
+    copy = path + "-paddleformers"
+    shutil.copytree(path, copy)
+    with contextlib.redirect_stdout(sys.stderr):
+        config = AutoConfig.from_pretrained(copy)
+        config.fuse_rms_norm = False  # its fused RMSNorm kernel exists only on GPU
+        model = LlamaForCausalLM.from_pretrained(copy, config=config, dtype="float32")
+    model.eval()
+    return model
+
+
+def run_paddleformers(model, prompts: list, new_tokens: int) -> dict:
+    """Greedy ``generate`` of the same prompts in one padded-free batch (equal lengths)."""
+    input_ids = paddle.to_tensor(prompts, dtype="int64")
+    with contextlib.redirect_stdout(sys.stderr), paddle.no_grad():
+        start = time.perf_counter()
+        ids, _ = model.generate(
+            input_ids=input_ids,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            decode_strategy="greedy_search",
+            use_cache=True,
+        )
+        elapsed = time.perf_counter() - start
+    return {
+        "seconds": elapsed,
+        "tokens_per_s": len(prompts) * new_tokens / elapsed,
+        "token_ids": ids.numpy().tolist(),
+    }
+
+
+def compare_shape(name: str, batches, repeats: int, log) -> list:
+    shape = COMPARE_SHAPES[name]
+    new_tokens = COMPARE_NEW_TOKENS[name]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, name)
+        os.mkdir(path)
+        write_random_checkpoint(path, shape)
+        model = load_checkpoint(path).model
+        reference = load_paddleformers(path)
+        rng = np.random.default_rng(1)
+        for batch in batches:
+            prompts = rng.integers(1, shape["vocab_size"], (batch, COMPARE_PROMPT_LEN)).tolist()
+            # Warm-up (first kernel calls, allocator) with a short run of each, untimed.
+            run_engine(model, prompts, 2)
+            if reference is not None:
+                run_paddleformers(reference, prompts, 2)
+            ours, theirs = [], []
+            for _ in range(repeats):  # alternated, so both see the same machine load
+                ours.append(run_engine(model, prompts, new_tokens))
+                if reference is not None:
+                    theirs.append(run_paddleformers(reference, prompts, new_tokens))
+            row = {
+                "shape": name,
+                "B": batch,
+                "prompt_len": COMPARE_PROMPT_LEN,
+                "new_tokens": new_tokens,
+                "repeats": repeats,
+                "ours_tokens_per_s": float(np.median([r["tokens_per_s"] for r in ours])),
+                "ours_decode_step_ms": float(np.median([r["decode_step_ms"] for r in ours])),
+                "ours_outside_forward_share": float(
+                    np.median([r["outside_forward_share"] for r in ours])
+                ),
+                "paddleformers_tokens_per_s": None,
+                "speedup": None,
+                "same_greedy_ids": None,
+            }
+            if theirs:
+                row["paddleformers_tokens_per_s"] = float(
+                    np.median([r["tokens_per_s"] for r in theirs])
+                )
+                row["speedup"] = row["ours_tokens_per_s"] / row["paddleformers_tokens_per_s"]
+                row["same_greedy_ids"] = ours[0]["token_ids"] == theirs[0]["token_ids"]
+            rows.append(row)
+            log(f"  {name} B={batch} done")
+    return rows, reference is not None
+
+
+def compare_main(args) -> dict:
+    started = time.time()
+
+    def log(message):
+        if not args.json:
+            print(f"{message} ({time.time() - started:.0f} s)", file=sys.stderr)
+
+    results, have_reference = [], False
+    for name in args.shapes:
+        rows, have_reference = compare_shape(name, args.batches, args.repeats, log)
+        results.extend(rows)
+    report = {
+        "benchmark": "bench_decode --paddleformers",
+        "env": environment(),
+        "shapes": {name: COMPARE_SHAPES[name] for name in args.shapes},
+        "config": {
+            "batches": list(args.batches),
+            "repeats": args.repeats,
+            "prompt_len": COMPARE_PROMPT_LEN,
+            "new_tokens": {name: COMPARE_NEW_TOKENS[name] for name in args.shapes},
+        },
+        "paddleformers": have_reference,
+        "results": results,
+        "elapsed_s": round(time.time() - started, 1),
+    }
+    if args.json:
+        print(json.dumps(report))
+        return report
+    env = report["env"]
+    print(
+        f"Greedy generation, {COMPARE_PROMPT_LEN}-token prompts, random float32 weights, CPU, "
+        f"paddle {env['paddle']}, {env['cpu_count']} cores (shared, noisy machine), "
+        f"{env['blas_env']}; "
+        f"medians of {args.repeats} alternated runs. tokens/s = B * new tokens / wall time "
+        "(prefill included)."
+    )
+    if not have_reference:
+        print("paddleformers is not importable: its column is skipped (make bench-paddleformers).")
+    print(
+        f"{'shape':>14s} {'B':>3s} {'new':>4s} {'ours tok/s':>10s} {'PF tok/s':>9s} "
+        f"{'ours/PF':>8s} {'outside fwd':>11s} {'step ms':>8s} {'same ids':>8s}"
+    )
+    for row in results:
+        pf = row["paddleformers_tokens_per_s"]
+        print(
+            f"{row['shape']:>14s} {row['B']:>3d} {row['new_tokens']:>4d} "
+            f"{row['ours_tokens_per_s']:>10.1f} "
+            + (f"{pf:>9.1f} {row['speedup']:>7.2f}x " if pf else f"{'-':>9s} {'-':>8s} ")
+            + f"{100 * row['ours_outside_forward_share']:>10.1f}% "
+            f"{row['ours_decode_step_ms']:>8.1f} {str(row['same_greedy_ids']):>8s}"
+        )
+    return report
+
+
+def environment() -> dict:
+    return {
+        "paddle": paddle.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "device": "cpu",
+        "note": "shared machine, other jobs running; wall time per phase",
+        # Both change the CPU matmul kernels' speed a lot (MKL_DEBUG_CPU_TYPE=5 makes MKL
+        # take its AVX2 path on AMD CPUs).
+        "blas_env": {
+            name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "MKL_DEBUG_CPU_TYPE")
+        },
+    }
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"B in {QUICK_BATCHES}, few steps")
@@ -339,10 +644,27 @@ def parse_args(argv=None):
     parser.add_argument("--batches", help="comma-separated B values")
     parser.add_argument("--steps", type=int, help="timed steps per batch size")
     parser.add_argument("--warmup", type=int, help="untimed steps first (prefill included)")
+    parser.add_argument(
+        "--paddleformers", action="store_true", help="throughput against PaddleFormers' generate"
+    )
+    parser.add_argument(
+        "--shapes",
+        default=",".join(COMPARE_SHAPES),
+        help=f"--paddleformers: comma-separated, of {list(COMPARE_SHAPES)}",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="--paddleformers: runs per B")
     args = parser.parse_args(argv)
+    args.shapes = tuple(args.shapes.split(","))
+    unknown = set(args.shapes) - set(COMPARE_SHAPES)
+    if unknown:
+        parser.error(
+            f"--shapes: unknown {sorted(unknown)}, expected some of {list(COMPARE_SHAPES)}"
+        )
     args.batches = (
         tuple(int(b) for b in args.batches.split(","))
         if args.batches
+        else COMPARE_BATCHES
+        if args.paddleformers
         else QUICK_BATCHES
         if args.quick
         else FULL_BATCHES
@@ -355,6 +677,8 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     paddle.set_device("cpu")
+    if args.paddleformers:
+        return compare_main(args)
     started = time.time()
     bench_batch(2, 3, 3)  # process warm-up (first kernel calls, allocator), not reported
     results = []
@@ -378,14 +702,7 @@ def main(argv=None) -> dict:
     model = ModelConfig()
     report = {
         "benchmark": "bench_decode",
-        "env": {
-            "paddle": paddle.__version__,
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            "device": "cpu",
-            "note": "shared machine, other jobs running; wall time per phase",
-        },
+        "env": environment(),
         "model": {
             "hidden_size": model.hidden_size,
             "num_layers": model.num_layers,

@@ -108,10 +108,11 @@ def test_slot_minus_one_writes_nothing() -> None:
     # In particular the last slot (where index -1 would wrap) and layer 0 stay empty.
     assert not keys[~written].any() and not values[~written].any()
 
-    got_k, got_v = cache.gather(1, paddle.to_tensor([[5, 3]], dtype="int64"))
-    assert got_k.shape == [1, 2, 2, 3]
-    np.testing.assert_array_equal(got_k.numpy()[0, 0], k.numpy()[2])
-    np.testing.assert_array_equal(got_v.numpy()[0, 1], v.numpy()[0])
+    rows = cache.head_major_rows(paddle.to_tensor([[5, 3]], dtype="int64"))
+    got_k, got_v = cache.gather_head_major(1, rows)
+    assert got_k.shape == [1, 2, 2, 3]  # [N, KV heads, K, head_dim]
+    np.testing.assert_array_equal(got_k.numpy()[0, :, 0], k.numpy()[2])
+    np.testing.assert_array_equal(got_v.numpy()[0, :, 1], v.numpy()[0])
 
     cache.write(0, paddle.to_tensor([-1, -1, -1], dtype="int64"), k, v)
     assert not cache.key.numpy()[0].any()

@@ -131,6 +131,21 @@ Draw = Callable[[np.random.Generator], np.ndarray]
 ParameterValues = Callable[[str, list[int], Draw], np.ndarray]
 
 
+class KeptSlots:
+    """The entries of ``slots`` [N] (int64) that are >= 0, i.e. that write to the cache."""
+
+    def __init__(self, slots: paddle.Tensor) -> None:
+        kept = paddle.nonzero(slots >= 0).flatten()
+        self.count = kept.shape[0]
+        # The usual step writes every token: then nothing needs gathering.
+        self._index = None if self.count == slots.shape[0] else kept
+        self.slots = self.select(slots)
+
+    def select(self, x: paddle.Tensor) -> paddle.Tensor:
+        """The kept rows of ``x`` [N, ...]."""
+        return x if self._index is None else paddle.gather(x, self._index)
+
+
 class PagedKVCache:
     """K and V of every layer, stored by slot (``slot = block_id * block_size + offset``).
 
@@ -179,22 +194,35 @@ class PagedKVCache:
 
         Entries with slot -1 are skipped (a plain index would wrap to the last slot).
         """
-        kept = paddle.nonzero(slots >= 0).flatten()
-        if kept.shape[0] == 0:
-            return
-        kept_slots = paddle.gather(slots, kept)
-        layer_index = paddle.full_like(kept_slots, layer)
-        paddle.index_put_(self.key, (layer_index, kept_slots), paddle.gather(k, kept))
-        paddle.index_put_(self.value, (layer_index, kept_slots), paddle.gather(v, kept))
+        self.write_kept(layer, KeptSlots(slots), k, v)
 
-    def gather(self, layer: int, slots: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """K and V at ``slots`` (any shape, all >= 0), each of shape
-        ``slots.shape + [kv_heads, head_dim]``."""
-        flat = slots.flatten()
-        tail = list(self.key.shape[2:])
-        k = paddle.gather(self.key[layer], flat).reshape([*slots.shape, *tail])
-        v = paddle.gather(self.value[layer], flat).reshape([*slots.shape, *tail])
-        return k, v
+    def write_kept(self, layer: int, kept: KeptSlots, k: paddle.Tensor, v: paddle.Tensor) -> None:
+        """``write`` with the kept entries found beforehand (once per step, for every layer)."""
+        if kept.count == 0:
+            return
+        layer_index = paddle.full_like(kept.slots, layer)
+        paddle.index_put_(self.key, (layer_index, kept.slots), kept.select(k))
+        paddle.index_put_(self.value, (layer_index, kept.slots), kept.select(v))
+
+    def head_major_rows(self, slots: paddle.Tensor) -> paddle.Tensor:
+        """Row of each (slot, KV head) in one layer's ``[num_slots * num_kv_heads, head_dim]``
+        view: [N, num_kv_heads, K] int64 for ``slots`` [N, K] (all >= 0). Computed once per
+        step for ``gather_head_major``, which every layer calls with it."""
+        heads = self.key.shape[2]
+        head_index = paddle.arange(heads, dtype="int64").reshape([1, heads, 1])
+        return slots.unsqueeze(1) * heads + head_index
+
+    def gather_head_major(
+        self, layer: int, rows: paddle.Tensor
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """K and V at ``rows`` (from ``head_major_rows``), each [N, num_kv_heads, K, head_dim]:
+        heads before keys, the layout attention multiplies in, so no transpose is needed
+        (paddle's CPU matmul is very slow on transposed, strided views)."""
+        flat = rows.flatten()
+        head_dim = self.key.shape[3]
+        k = paddle.gather(self.key[layer].reshape([-1, head_dim]), flat)
+        v = paddle.gather(self.value[layer].reshape([-1, head_dim]), flat)
+        return k.reshape([*rows.shape, head_dim]), v.reshape([*rows.shape, head_dim])
 
 
 def slots_through_table(
@@ -415,24 +443,44 @@ class DecoderLayer(nn.Layer):
         self.w_gate = linear("w_gate", hidden, config.intermediate_size)
         self.w_up = linear("w_up", hidden, config.intermediate_size)
         self.w_down = linear("w_down", config.intermediate_size, hidden)
+        self._fused = None
+
+    def _fused_weights(self) -> tuple[paddle.Tensor, paddle.Tensor | None, paddle.Tensor]:
+        """``[wq | wk | wv]`` (with their biases) and ``[w_gate | w_up]``, concatenated on
+        first use: one matmul instead of three and one instead of two, fewer eager ops per
+        layer. Copies, made after construction (so after any sharding), while the
+        parameters keep their names for checkpoints."""
+        if self._fused is None:
+            biases = (self.q_bias, self.k_bias, self.v_bias)
+            self._fused = (
+                paddle.concat([self.wq, self.wk, self.wv], axis=1),
+                None if self.q_bias is None else paddle.concat(biases),
+                paddle.concat([self.w_gate, self.w_up], axis=1),
+            )
+        return self._fused
 
     def forward(
         self, x: paddle.Tensor, rope: tuple[paddle.Tensor, paddle.Tensor], attend: AttendFn
     ) -> paddle.Tensor:
-        """``x`` [T, hidden]; ``rope`` = (cos, sin) [T, head_dim] for each token's position."""
+        """``x`` [T, hidden]; ``rope`` = (cos, sin) [T, 1, head_dim] for each token's
+        position."""
         cfg = self.config
         tokens = x.shape[0]
+        w_qkv, qkv_bias, w_gate_up = self._fused_weights()
         h = self.attn_norm(x)
-        q = _linear(h, self.wq, self.q_bias).reshape([tokens, cfg.num_heads, cfg.head_dim])
-        k = _linear(h, self.wk, self.k_bias).reshape([tokens, cfg.num_kv_heads, cfg.head_dim])
-        v = _linear(h, self.wv, self.v_bias).reshape([tokens, cfg.num_kv_heads, cfg.head_dim])
-        cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        qkv = _linear(h, w_qkv, qkv_bias).reshape(
+            [tokens, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim]
+        )
+        # Rotary embedding on q and k together, then split by heads.
+        qk, v = paddle.split(qkv, [cfg.num_heads + cfg.num_kv_heads, cfg.num_kv_heads], axis=1)
+        cos, sin = rope
+        qk = qk * cos + _rotate_half(qk) * sin
+        q, k = paddle.split(qk, [cfg.num_heads, cfg.num_kv_heads], axis=1)
         x = x + self._row_parallel(attend(q, k, v), self.wo, self.o_bias)
 
         h = self.mlp_norm(x)
-        gated = nn.functional.silu(paddle.matmul(h, self.w_gate)) * paddle.matmul(h, self.w_up)
+        gate, up = paddle.split(paddle.matmul(h, w_gate_up), 2, axis=1)
+        gated = nn.functional.silu(gate) * up
         return x + self._row_parallel(gated, self.w_down, None)
 
     def _row_parallel(
@@ -533,7 +581,8 @@ class TinyLlama(nn.Layer):
 
     def _rope(self, positions: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
         angles = positions.astype(self.config.dtype).unsqueeze(1) * self.inv_freq.unsqueeze(0)
-        angles = paddle.concat([angles, angles], axis=-1)  # [T, head_dim], rotate-half layout
+        # [T, 1, head_dim], rotate-half layout, broadcast over heads.
+        angles = paddle.concat([angles, angles], axis=-1).unsqueeze(1)
         return paddle.cos(angles), paddle.sin(angles)
 
     def _run_layers(
@@ -549,25 +598,45 @@ class TinyLlama(nn.Layer):
             x = layer(x, rope, attend_for_layer(index))
         return self.final_norm(x)
 
-    def _grouped_attention(
-        self, q: paddle.Tensor, keys: paddle.Tensor, values: paddle.Tensor, visible: paddle.Tensor
+    def _attention(
+        self, q: paddle.Tensor, keys: paddle.Tensor, values: paddle.Tensor, mask: paddle.Tensor
     ) -> paddle.Tensor:
-        """Softmax attention of query batches over their own key sets.
+        """Softmax attention of query batches over their own key sets, heads first.
 
-        ``q`` [N, T, H, D]; ``keys``/``values`` [N, K, KVH, D]; ``visible`` bool broadcastable
-        to [N, KVH, G, T, K] (G = H // KVH). Returns [N, T, H * D].
+        ``q`` [N, KVH, G, T, D] (G = H // KVH query heads per KV head); ``keys``/``values``
+        [N, KVH, K, D]; ``mask`` (``_additive_mask``) broadcastable to [N, KVH, G, T, K].
+        All contiguous: paddle's CPU matmul is very slow on strided (transposed) views.
+        Returns [N, KVH, G, T, D].
         """
+        scores = paddle.matmul(q, keys.unsqueeze(2), transpose_y=True) / math.sqrt(
+            self.config.head_dim
+        )
+        scores = scores + mask
+        return paddle.matmul(nn.functional.softmax(scores, axis=-1), values.unsqueeze(2))
+
+    def _additive_mask(self, visible: paddle.Tensor) -> paddle.Tensor:
+        """0 where ``visible`` (bool), -inf elsewhere: added to the scores, made once per
+        step for every layer (an add instead of a where and a fill per layer)."""
+        return paddle.where(
+            visible,
+            paddle.zeros(visible.shape, self.config.dtype),
+            paddle.full(visible.shape, float("-inf"), self.config.dtype),
+        )
+
+    def _grouped_attention(
+        self, q: paddle.Tensor, keys: paddle.Tensor, values: paddle.Tensor, mask: paddle.Tensor
+    ) -> paddle.Tensor:
+        """``_attention`` over token-major inputs: ``q`` [N, T, H, D]; ``keys``/``values``
+        [N, K, KVH, D]; ``mask`` broadcastable to [N, KVH, G, T, K]. Returns
+        [N, T, H * D]."""
         cfg = self.config
         batches, tokens = q.shape[0], q.shape[1]
         groups = cfg.num_heads // cfg.num_kv_heads
         q = q.reshape([batches, tokens, cfg.num_kv_heads, groups, cfg.head_dim])
-        q = q.transpose([0, 2, 3, 1, 4])  # [N, KVH, G, T, D]
-        k = keys.transpose([0, 2, 3, 1]).unsqueeze(2)  # [N, KVH, 1, D, K]
-        v = values.transpose([0, 2, 1, 3]).unsqueeze(2)  # [N, KVH, 1, K, D]
-        scores = paddle.matmul(q, k) / math.sqrt(cfg.head_dim)
-        scores = paddle.where(visible, scores, paddle.full_like(scores, float("-inf")))
-        out = paddle.matmul(nn.functional.softmax(scores, axis=-1), v)  # [N, KVH, G, T, D]
-        out = out.transpose([0, 3, 1, 2, 4])  # [N, T, KVH, G, D]
+        q = q.transpose([0, 2, 3, 1, 4]).contiguous()  # [N, KVH, G, T, D]
+        k = keys.transpose([0, 2, 1, 3]).contiguous()  # [N, KVH, K, D]
+        v = values.transpose([0, 2, 1, 3]).contiguous()
+        out = self._attention(q, k, v, mask).transpose([0, 3, 1, 2, 4])  # [N, T, KVH, G, D]
         return out.reshape([batches, tokens, cfg.num_heads * cfg.head_dim])
 
     def _logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
@@ -579,7 +648,7 @@ class TinyLlama(nn.Layer):
         """Hidden states [len(sequence), hidden] of one whole sequence, no cache."""
         ids = paddle.to_tensor(list(sequence), dtype="int64")
         length = ids.shape[0]
-        causal = paddle.tril(paddle.ones([length, length], dtype="bool"))
+        causal = self._additive_mask(paddle.tril(paddle.ones([length, length], dtype="bool")))
 
         def self_attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> paddle.Tensor:
             return self._grouped_attention(
@@ -636,6 +705,9 @@ class TinyLlama(nn.Layer):
         logits [B, vocab] of each row's last token; rows without a token get zeros.
         """
         layout = PrefillLayout(positions.numpy(), token_rows.numpy())
+        kept_slots = KeptSlots(slot_mapping)
+        if layout.num_rows:
+            prefill_mask = self._additive_mask(layout.causal)
         if layout.decode_tokens.size:
             decode_positions, decode_rows = positions, token_rows
             if layout.is_mixed:
@@ -651,7 +723,11 @@ class TinyLlama(nn.Layer):
             # Causal and in-table keys only; hidden keys read slot 0 and get zero weight.
             visible = (key_slots >= 0) & (key_positions <= decode_positions.unsqueeze(1))
             key_slots = paddle.where(visible, key_slots, paddle.zeros_like(key_slots))
-            visible = visible.unsqueeze(1).unsqueeze(1).unsqueeze(3)  # [Td, 1, 1, 1, K]
+            key_rows = kv_cache.head_major_rows(key_slots)  # [Td, KVH, K], shared by layers
+            # [Td, 1, 1, 1, K]
+            decode_mask = self._additive_mask(visible.unsqueeze(1).unsqueeze(1).unsqueeze(3))
+            cfg = self.config
+            groups = cfg.num_heads // cfg.num_kv_heads
 
         def padded(x: paddle.Tensor) -> paddle.Tensor:
             """[T, heads, D] -> the prefill rows' tokens, [R, L, heads, D]."""
@@ -660,18 +736,20 @@ class TinyLlama(nn.Layer):
 
         def paged_attention_for(layer: int) -> AttendFn:
             def attend(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> paddle.Tensor:
-                kv_cache.write(layer, slot_mapping, k, v)
+                kv_cache.write_kept(layer, kept_slots, k, v)
                 outputs = []
                 if layout.num_rows:
-                    out = self._grouped_attention(padded(q), padded(k), padded(v), layout.causal)
+                    out = self._grouped_attention(padded(q), padded(k), padded(v), prefill_mask)
                     out = out.reshape([layout.num_rows * layout.width, -1])
                     outputs.append(paddle.gather(out, layout.unpad_index))
                 if layout.decode_tokens.size:
-                    keys, values = kv_cache.gather(layer, key_slots)  # [Td, K, KVH, D] each
-                    # Each token is its own query batch of one, over its own key set.
+                    keys, values = kv_cache.gather_head_major(layer, key_rows)  # [Td, KVH, K, D]
+                    # Each token is its own query batch of one, over its own key set; with
+                    # one query per token, [Td, H, D] is [Td, KVH, G, 1, D] by a reshape.
                     decode_q = paddle.gather(q, decode_tokens) if layout.is_mixed else q
-                    out = self._grouped_attention(decode_q.unsqueeze(1), keys, values, visible)
-                    outputs.append(out.squeeze(1))
+                    decode_q = decode_q.reshape([-1, cfg.num_kv_heads, groups, 1, cfg.head_dim])
+                    out = self._attention(decode_q, keys, values, decode_mask)
+                    outputs.append(out.reshape([out.shape[0], -1]))
                 if layout.is_mixed:
                     return paddle.gather(paddle.concat(outputs), layout.restore_order)
                 return outputs[0]
