@@ -40,8 +40,8 @@ PROMPT_STARTS = [
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default=None, help="a running server (default: start one)")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", default="1,8,32,64", help="comma-separated")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     add_engine_arguments(parser)

@@ -225,7 +225,7 @@ async def _sse(
             yield _event(first)
         async for delta in _relay(handle, text, fmt):
             if delta:
-                yield _event(fmt.chunk(delta))
+                yield fmt.text_event(delta)
         if fmt.error is not None:
             yield _event(ApiError(fmt.error, status=500, kind="server_error").body())
         else:
@@ -254,6 +254,17 @@ class _Format:
         self.prompt_tokens = prompt_tokens
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self._text_event_parts: list[str] | None = None
+
+    def text_event(self, delta: str) -> str:
+        """``_event(self.chunk(delta))`` from a template rendered once per request: only
+        the text changes from token to token, and this runs for every token."""
+        if self._text_event_parts is None:
+            marker = "\x00delta\x00"  # JSON escapes it, so no text can look like it
+            encoded = json.dumps(marker)
+            self._text_event_parts = _event(self.chunk(marker)).split(encoded)
+        head, tail = self._text_event_parts
+        return head + json.dumps(delta, ensure_ascii=False) + tail
 
     def usage(self, completion_tokens: int) -> dict:
         return {
