@@ -130,14 +130,12 @@ def progress_bar(total: int, shown: bool = True) -> Iterator[Callable[[int], obj
 
 
 def encode_prompts(args: argparse.Namespace, loaded: LoadedModel) -> list[list[int]]:
-    texts = list(args.prompt) + random_prompts(args.num_requests, args.seed)
+    """The prompts' ids; with ``--chat`` each is one user message in the chat template."""
+    texts = list(args.prompt) + random_prompts(args.num_requests, args.seed) or BUILT_IN_PROMPTS
     tokenizer = loaded.tokenizer
     if args.chat:
-        return [
-            tokenizer.encode_chat([{"role": "user", "content": t}])
-            for t in texts or BUILT_IN_PROMPTS
-        ]
-    return [tokenizer.encode(text) for text in texts or BUILT_IN_PROMPTS]
+        return [tokenizer.encode_chat([{"role": "user", "content": text}]) for text in texts]
+    return [tokenizer.encode(text) for text in texts]
 
 
 def run(

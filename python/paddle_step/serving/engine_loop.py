@@ -185,7 +185,10 @@ def _run_engine(args: argparse.Namespace, commands, events) -> None:
         step_events: list[tuple[int, tuple]] = []
         # Block for a command only when there is nothing to step.
         while commands.poll(0 if engine.has_unfinished() else None):
-            command = commands.recv()
+            try:
+                command = commands.recv()
+            except EOFError:  # the server is gone
+                return
             if command[0] == "stop":
                 return
             if command[0] == "add":
