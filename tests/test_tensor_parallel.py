@@ -7,16 +7,21 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
 from paddle_step.checkpoint import load_checkpoint
 from paddle_step.model import ModelConfig
+from paddle_step.serve import build_engine
 from paddle_step.serve import parse_args as serve_parse_args
 from paddle_step.tensor_parallel import shard_config, shard_weights
 
@@ -176,7 +181,93 @@ def test_tp_must_equal_the_launchers_world_size():
     assert "got 2" in completed.stderr
 
 
-def test_server_refuses_tp(capsys):
-    with pytest.raises(SystemExit):
-        serve_parse_args(["--tp", "2"])
-    assert "--tp: the server runs one process, expected 1, got 2" in capsys.readouterr().err
+def test_server_with_tp2_serves_tp1_text_and_frees_everything(tmp_path):
+    """The server under the launcher on 2 ranks: rank 0 serves HTTP, both run an engine
+    process, and rank 0's hands each batch of requests to the other. Greedy texts equal
+    offline TP=1 under preemption; aborted streams give their blocks back."""
+    port = free_port()
+    flags = ["--model", str(CHECKPOINTS / "llama-tiny"), "--dtype", "float64",
+             "--max-batch", "4", "--block-size", "4", "--max-model-len", "64",
+             "--kv-blocks", "40", "--decoder-pool-ratio", "0.3", "--port", str(port)]  # fmt: skip
+    command = [
+        sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2",
+        "--master", f"127.0.0.1:{free_port()}", "--log_dir", str(tmp_path),
+        sys.executable, "-m", "paddle_step.serve", *flags, "--tp", "2", "--check-ranks",
+    ]  # fmt: skip
+    process = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,  # so the launcher and both ranks stop together
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_health(url, process)
+        prompts = ["Hello there", "The engine", "a b c d e f", "paged attention", "x"]
+        engine, loaded = build_engine(serve_parse_args(flags))
+        ids = [loaded.tokenizer.encode(prompt) for prompt in prompts]
+        expected = [
+            loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+            for result in engine.generate(ids, 20, eos_token_id=[])
+        ]
+        assert engine.stats.preemptions > 0
+        with ThreadPoolExecutor(len(prompts) + 1) as pool:
+            cancelled = pool.submit(stream_and_close, url, "Once upon")
+            texts = list(pool.map(lambda prompt: complete(url, prompt), prompts))
+            cancelled.result()
+        assert texts == expected
+        deadline = time.monotonic() + 30
+        while metric(url, "paddle_step_requests_running") + metric(
+            url, "paddle_step_requests_waiting"
+        ):
+            assert time.monotonic() < deadline, "requests still held after the clients left"
+            time.sleep(0.2)
+        assert metric(url, "paddle_step_kv_free_blocks") == metric(
+            url, "paddle_step_kv_total_blocks"
+        )
+        assert metric(url, "paddle_step_preemptions_total") > 0
+        # --check-ranks found both ranks' states equal after every step.
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+
+
+def wait_for_health(url: str, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while True:
+        assert process.poll() is None, "the launcher exited"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"no /health answer in {LAUNCH_TIMEOUT_S} s"
+        time.sleep(0.5)
+
+
+def complete(url: str, prompt: str) -> str:
+    body = {"model": "llama-tiny", "prompt": prompt, "max_tokens": 20, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    response.raise_for_status()
+    return response.json()["choices"][0]["text"]
+
+
+def stream_and_close(url: str, prompt: str) -> None:
+    """A streaming request its client abandons after two chunks (an abort on every rank)."""
+    body = {"model": "llama-tiny", "prompt": prompt, "max_tokens": 40, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        for count, _line in enumerate(line for line in response.iter_lines() if line):
+            if count >= 2:
+                return
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"metric {name} not found")

@@ -11,8 +11,10 @@ folder's name unless ``--served-model-name`` says otherwise; the engine flags ar
 from __future__ import annotations
 
 import argparse
+import os
 
 from .engine_args import add_engine_arguments, build_engine, check_engine_arguments, load_tokenizer
+from .serving.engine_loop import EngineLoop
 
 __all__ = ["build_app", "build_engine", "main", "parse_args"]
 
@@ -31,13 +33,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
     check_engine_arguments(parser, args)
-    if args.tp != 1:
-        # Requests reach rank 0's HTTP server only; the other ranks would need them
-        # forwarded in the same order to build the same schedule, which is not done yet.
-        parser.error(
-            f"--tp: the server runs one process, expected 1, got {args.tp} "
-            "(tensor parallelism: examples/generate.py)"
-        )
     return args
 
 
@@ -46,7 +41,6 @@ def build_app(args: argparse.Namespace):
     app over it, which stops it on shutdown. Raises ``ValueError`` for flags or a
     checkpoint the engine cannot run."""
     from .serving.api import create_app
-    from .serving.engine_loop import EngineLoop
 
     tokenizer = load_tokenizer(args)  # the engine process loads the model
     loop = EngineLoop(args)
@@ -60,10 +54,20 @@ def build_app(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    # With --tp > 1 (under paddle.distributed.launch) rank 0 serves HTTP; every rank runs
+    # an engine process, and rank 0's hands the others each batch of requests.
+    rank = int(os.environ.get("PADDLE_TRAINER_ID", "0")) if args.tp > 1 else 0
     try:
-        app, _loop = build_app(args)
-    except ValueError as error:  # a checkpoint or budget the engine cannot run
+        if rank == 0:
+            app, _loop = build_app(args)
+        else:
+            follower = EngineLoop(args)
+            follower.start()
+    except (ValueError, RuntimeError) as error:  # a checkpoint or budget it cannot run
         raise SystemExit(f"paddle_step.serve: {error}") from None
+    if rank != 0:
+        follower.wait()
+        return
     import uvicorn
 
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

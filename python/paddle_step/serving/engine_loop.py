@@ -95,6 +95,10 @@ class EngineLoop:
         self.healthy = True
         self._reader.start()
 
+    def wait(self) -> None:
+        """Blocks until the engine process exits (a ``--tp`` follower rank's whole job)."""
+        self._process.join()
+
     def stop(self, timeout: float = 10.0) -> None:
         self._send(("stop",))
         self._process.join(timeout)
@@ -165,7 +169,13 @@ def _put_all(deliveries: list[tuple[asyncio.Queue, tuple]]) -> None:
 
 
 def _run_engine(args: argparse.Namespace, commands, events) -> None:
-    """The child: builds the engine, then applies commands and steps until told to stop."""
+    """The child: builds the engine, then applies commands and steps until told to stop.
+
+    With ``--tp`` > 1 every rank's engine process runs this; rank 0's receives the
+    commands from its server and broadcasts each batch of them to the others before
+    applying it, so all ranks add and abort the same requests between the same steps
+    and build the same schedule (the schedule itself is never sent).
+    """
     from ..engine_args import build_engine
 
     try:
@@ -174,6 +184,8 @@ def _run_engine(args: argparse.Namespace, commands, events) -> None:
         events.send(("failed", f"{type(error).__name__}: {error}"))
         return
     config = engine.config
+    group = loaded.tensor_parallel
+    leader = group is None or group.rank == 0
     info = {"name": loaded.name, "max_model_len": config.max_model_len,
             "vocab_size": loaded.model.config.vocab_size,
             "kv_total_blocks": config.num_decoder_blocks,
@@ -183,12 +195,10 @@ def _run_engine(args: argparse.Namespace, commands, events) -> None:
     keys: dict[int, int] = {}  # engine request id -> parent key
     while True:
         step_events: list[tuple[int, tuple]] = []
-        # Block for a command only when there is nothing to step.
-        while commands.poll(0 if engine.has_unfinished() else None):
-            try:
-                command = commands.recv()
-            except EOFError:  # the server is gone
-                return
+        batch = _next_commands(engine, commands) if leader else []
+        if group is not None:
+            batch = _broadcast(batch)
+        for command in batch:
             if command[0] == "stop":
                 return
             if command[0] == "add":
@@ -215,7 +225,35 @@ def _run_engine(args: argparse.Namespace, commands, events) -> None:
                 key = keys.pop(result.request_id)
                 request_ids.pop(key, None)
                 step_events.append((key, ("finish", result.finish_reason)))
-        events.send(("step", (step_events, _stats(engine))))
+        if leader and (step_events or batch or engine.has_unfinished()):
+            events.send(("step", (step_events, _stats(engine))))
+
+
+# While idle, rank 0 broadcasts an empty batch this often, so the other ranks' wait in
+# the collective never runs into the backend's timeout.
+IDLE_TICK_S = 1.0
+
+
+def _next_commands(engine, commands) -> list[tuple]:
+    """The commands that arrived; waits for one only when there is nothing to step (at
+    most ``IDLE_TICK_S``). A server that is gone counts as a stop."""
+    batch: list[tuple] = []
+    wait = None if engine.has_unfinished() else IDLE_TICK_S
+    try:
+        while commands.poll(0 if batch or wait is None else wait):
+            batch.append(commands.recv())
+    except EOFError:
+        batch.append(("stop",))
+    return batch
+
+
+def _broadcast(batch: list[tuple]) -> list[tuple]:
+    """Rank 0's command batch, on every rank."""
+    import paddle.distributed as dist
+
+    holder = [batch]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
 
 
 def _stats(engine) -> dict:
