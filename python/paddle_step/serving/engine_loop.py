@@ -18,6 +18,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import signal
 import threading
 from dataclasses import dataclass, field
 
@@ -183,6 +184,11 @@ def _run_engine(args: argparse.Namespace, commands, events) -> None:
     except Exception as error:  # noqa: BLE001 - sent to the parent, which raises it
         events.send(("failed", f"{type(error).__name__}: {error}"))
         return
+    # Ctrl-C or a SIGTERM reaches the whole process group: the server stops this process
+    # itself (a "stop" command, or its pipe closing), and paddle's own handler for these
+    # signals would print a crash report for an ordinary shutdown.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     config = engine.config
     group = loaded.tensor_parallel
     leader = group is None or group.rank == 0
