@@ -27,6 +27,8 @@ _LAZY = {
     "GenerationResult": ".sequence",
     "GenerationStats": ".sequence",
     "EngineConfig": ".state",
+    "load_checkpoint": ".checkpoint",
+    "CheckpointError": ".hf_config",
 }
 
 __all__ = ["StateError", "check_state", *_LAZY]
