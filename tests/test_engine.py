@@ -350,8 +350,11 @@ def test_abort_frees_slot_and_blocks(model: TinyLlama, when: str) -> None:
         victim = ids[1]
         steps = {"after-prefill": 1, "decoding": 3}.get(when)
         if steps is None:  # run until some request is preempted; abort that one
-            while not engine.num_preempted:
+            for _ in range(100):  # bounded: this budget preempts within a few steps
+                if engine.num_preempted:
+                    break
                 engine.step()
+            assert engine.num_preempted, "no request was preempted in 100 steps"
             slot = int(np.flatnonzero(engine.scheduler.live & engine.scheduler.preempted)[0])
             victim = int(engine.scheduler.slot_request_ids[slot])
         else:
