@@ -229,6 +229,7 @@ BAD_REQUESTS = [
     ("unknown model", {"prompt": "hi", "model": "gpt-4"}, "model"),
     ("n > 1", {"prompt": "hi", "n": 2}, "'n'"),
     ("empty prompt", {"prompt": ""}, "prompt"),
+    ("ids past the embedding", {"prompt": [5, 400]}, "token ids must be in [0, 400)"),
 ]
 
 

@@ -36,12 +36,14 @@ _DISCONNECT_POLL_S = 0.5
 def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
     """The app over a started ``loop``; it stops the loop on shutdown.
 
-    ``tokenizer`` needs ``encode(text)``, ``decode(ids, skip_special_tokens)``,
-    ``vocab_size`` and ``encode_chat(messages)`` (the checkpoint's chat template; raises
+    ``tokenizer`` needs ``encode(text)``, ``decode(ids, skip_special_tokens)`` and
+    ``encode_chat(messages)`` (the checkpoint's chat template; raises
     ``ValueError`` when the checkpoint has none).
     """
 
     max_model_len = loop.info["max_model_len"]
+    # Prompt ids index the model's embedding rows (the engine checks the same bound).
+    vocab_size = loop.info["vocab_size"]
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -108,10 +110,10 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
                 param="model",
                 kind="model_not_found",
             )
-        outside = [token for token in prompt_ids if not 0 <= token < tokenizer.vocab_size]
+        outside = [token for token in prompt_ids if not 0 <= token < vocab_size]
         if outside:
             raise ApiError(
-                f"'prompt': token ids must be in [0, {tokenizer.vocab_size}), got {outside[:5]}",
+                f"'prompt': token ids must be in [0, {vocab_size}), got {outside[:5]}",
                 param="prompt",
             )
         room = max_model_len - len(prompt_ids)
