@@ -14,7 +14,9 @@ template <typename SeqLenT, typename BlockT>
 cudaError_t LaunchAdvanceStep(const AdvanceStepParams<SeqLenT, BlockT>& params,
                               cudaStream_t stream);
 
-// One thread block; no host synchronisation, so it can be graph-captured.
+// One thread block, after a many-block pass over the slots when the batch is
+// large; both on `stream`, no host synchronisation, so it can be
+// graph-captured.
 cudaError_t LaunchStepPaddle(const StepPaddleParams& params,
                              cudaStream_t stream);
 

@@ -59,9 +59,14 @@ PADDLE_STEP_HOST_DEVICE int32_t* TableRow(const StepPaddleParams& p,
 }
 
 // Table column of the position a sequence writes next.
+// seq_lens_decoder is int32, so a 32-bit division gives the same truncated
+// quotient whenever block_size fits in int32 (and the quotient is 0 when it
+// does not); a 64-bit division is a slow routine on the GPU.
 PADDLE_STEP_HOST_DEVICE int64_t NextColumn(const StepPaddleParams& p,
                                            int64_t slot) {
-  return static_cast<int64_t>(p.seq_lens_decoder[slot]) / p.block_size;
+  const int32_t position = p.seq_lens_decoder[slot];
+  if (p.block_size > INT32_MAX) return 0;
+  return position / static_cast<int32_t>(p.block_size);
 }
 
 // Decoder blocks of `slot` sit in columns enc .. enc+used-1; only those
@@ -231,14 +236,34 @@ PADDLE_STEP_HOST_DEVICE int64_t TryRecoverTop(const StepPaddleParams& p,
   return budget;
 }
 
+// Phase 4's choice: recovers from the top of step_block_list while the pool
+// holds each one's budget. Returns how many (listed in recover_block_list).
+PADDLE_STEP_HOST_DEVICE int64_t ChooseRecoveries(const StepPaddleParams& p,
+                                                 int64_t* step_len,
+                                                 int64_t pool_len) {
+  int64_t recovered_count = 0;
+  int64_t pool_left = pool_len;
+  for (;;) {
+    const int64_t budget =
+        TryRecoverTop(p, step_len, pool_left, recovered_count);
+    if (budget == 0) return recovered_count;
+    pool_left -= budget;
+    ++recovered_count;
+  }
+}
+
 // Hands a recovered sequence its blocks, popped from free_list[.. pool_top),
 // and rebuilds its inputs for a full re-prefill of prompt + generated tokens.
+// The work is strided over `lanes` threads (this one is `lane`): each table
+// column and each input_ids position is written by exactly one lane, once, so
+// the lanes need no synchronisation and any lane count gives the same bytes.
 PADDLE_STEP_HOST_DEVICE void RebuildRecovered(const StepPaddleParams& p,
-                                              int64_t slot, int64_t pool_top) {
+                                              int64_t slot, int64_t pool_top,
+                                              int64_t lane, int64_t lanes) {
   const int64_t encoder_blocks = p.encoder_block_lens[slot];
   const int64_t budget = p.used_list_len[slot];
   int32_t* row = TableRow(p, slot);
-  for (int64_t i = 0; i < budget; ++i) {
+  for (int64_t i = lane; i < budget; i += lanes) {
     if (ColumnInTable(p, encoder_blocks + i)) {
       row[encoder_blocks + i] = p.free_list[pool_top - 1 - i];
     }
@@ -246,16 +271,17 @@ PADDLE_STEP_HOST_DEVICE void RebuildRecovered(const StepPaddleParams& p,
 
   const int64_t prompt_len = p.ori_seq_lens_encoder[slot];
   const int64_t steps = p.step_idx[slot];
-  // Wraps like the int32 store it is, without signed overflow.
-  const int32_t prefill_len = static_cast<int32_t>(
-      static_cast<uint64_t>(prompt_len) + static_cast<uint64_t>(steps));
-  p.seq_lens_this_time[slot] = prefill_len;
-  p.seq_lens_encoder[slot] = prefill_len;
-  p.stop_flags[slot] = false;
+  if (lane == 0) {
+    // Wraps like the int32 store it is, without signed overflow.
+    const int32_t prefill_len = static_cast<int32_t>(
+        static_cast<uint64_t>(prompt_len) + static_cast<uint64_t>(steps));
+    p.seq_lens_this_time[slot] = prefill_len;
+    p.seq_lens_encoder[slot] = prefill_len;
+    p.stop_flags[slot] = false;
+  }
 
   int64_t* ids = p.input_ids + slot * p.input_ids_len;
   const int64_t* generated = p.pre_ids + slot * p.pre_ids_len;
-  if (p.input_ids_len > 0) ids[0] = p.first_token_ids[slot];
   // Index arithmetic on a bounded step count cannot overflow; a step_idx
   // beyond the bound addresses nothing inside the rows either way.
   const int64_t kIndexBound = int64_t{1} << 40;
@@ -268,11 +294,21 @@ PADDLE_STEP_HOST_DEVICE void RebuildRecovered(const StepPaddleParams& p,
   int64_t end = bounded_steps - 1;
   if (p.input_ids_len - prompt_len < end) end = p.input_ids_len - prompt_len;
   if (p.pre_ids_len - 1 < end) end = p.pre_ids_len - 1;
-  for (int64_t i = first; i < end; ++i) {
+  for (int64_t i = first + lane; i < end; i += lanes) {
     ids[prompt_len + i] = generated[i + 1];
   }
+  // SPEC writes ids[0] = first_token_ids first and ids[last] = next_tokens
+  // after the copy. The copy covers positions prompt_len + first .. last - 1,
+  // so only position 0 can be written twice: the later write wins, and the
+  // earlier one is skipped.
   const int64_t last = prompt_len + bounded_steps - 1;
-  if (last >= 0 && last < p.input_ids_len) ids[last] = p.next_tokens[slot];
+  const bool copy_writes_zero = prompt_len + first == 0 && first < end;
+  if (lane == 0 && p.input_ids_len > 0 && last != 0 && !copy_writes_zero) {
+    ids[0] = p.first_token_ids[slot];
+  }
+  if (lane == 0 && last >= 0 && last < p.input_ids_len) {
+    ids[last] = p.next_tokens[slot];
+  }
 }
 
 // ---- The CPU kernel: the phases in order, one slot at a time. ------------
@@ -361,18 +397,10 @@ inline void StepPaddleCpu(const StepPaddleParams& p) {
   *p.need_block_len = 0;
 
   // Phase 4. Choose (LIFO) first, then hand out blocks in recovery order.
-  int64_t recovered_count = 0;
-  int64_t pool_left = pool_len;
-  for (;;) {
-    const int64_t budget =
-        TryRecoverTop(p, &step_len, pool_left, recovered_count);
-    if (budget == 0) break;
-    pool_left -= budget;
-    ++recovered_count;
-  }
+  const int64_t recovered_count = ChooseRecoveries(p, &step_len, pool_len);
   for (int64_t k = 0; k < recovered_count; ++k) {
     const int64_t slot = p.recover_block_list[k];
-    RebuildRecovered(p, slot, pool_len);
+    RebuildRecovered(p, slot, pool_len, /*lane=*/0, /*lanes=*/1);
     pool_len -= p.used_list_len[slot];
   }
   *p.recover_lens = 0;

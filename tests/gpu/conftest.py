@@ -14,6 +14,7 @@ here imports CuPy or PyTorch at import time.
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,7 +27,13 @@ from paddle_step.tensor_table import STEP_PADDLE_DTYPES, STEP_PADDLE_TABLE, STEP
 from paddle_step.testing.advance_step_cases import ADVANCE_STEP_OUTPUTS
 
 REPO = Path(__file__).resolve().parents[2]
-LIBRARY = REPO / "tests" / "gpu" / "build" / "libpaddle_step_gpu_test.so"
+# PADDLE_STEP_GPU_LIBRARY points the tests at another build (to time two builds
+# of the kernels side by side, say).
+LIBRARY = Path(
+    os.environ.get(
+        "PADDLE_STEP_GPU_LIBRARY", REPO / "tests" / "gpu" / "build" / "libpaddle_step_gpu_test.so"
+    )
+)
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -130,20 +137,30 @@ class TorchBackend:
 
 
 def import_backend():
-    """CuPy, else PyTorch with CUDA; None when neither is usable."""
-    try:
-        import cupy
+    """CuPy, else PyTorch with CUDA; None when neither is usable.
 
-        return CupyBackend(cupy)
-    except Exception:  # noqa: BLE001  not installed, or no CUDA runtime for it
-        pass
-    try:
-        import torch
+    PADDLE_STEP_GPU_BACKEND=cupy or =torch picks one (`make -C tests/gpu sanitize`
+    uses torch with its caching allocator off, so that each buffer is its own
+    cudaMalloc and memcheck sees a write past its end).
+    """
+    wanted = os.environ.get("PADDLE_STEP_GPU_BACKEND", "")
+    if wanted not in ("", "cupy", "torch"):
+        raise ValueError(f"PADDLE_STEP_GPU_BACKEND: expected 'cupy' or 'torch', got {wanted!r}")
+    if wanted in ("", "cupy"):
+        try:
+            import cupy
 
-        if torch.cuda.is_available():
-            return TorchBackend(torch)
-    except Exception:  # noqa: BLE001
-        pass
+            return CupyBackend(cupy)
+        except Exception:  # noqa: BLE001  not installed, or no CUDA runtime for it
+            pass
+    if wanted in ("", "torch"):
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                return TorchBackend(torch)
+        except Exception:  # noqa: BLE001
+            pass
     return None
 
 

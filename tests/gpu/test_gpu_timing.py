@@ -29,6 +29,7 @@ reference) and run without a GPU.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -50,29 +51,54 @@ HOST_CALLS = 200
 # the graph's replays, the host-wall loop.
 CALLS_PER_ROW = 1 + CALLS_PER_GRAPH * (WARMUP_REPLAYS + REPLAYS) + HOST_WARMUP + HOST_CALLS
 
-# step_paddle geometry: benchmarks/bench_ops.py's (L = 256 tokens, 8-token blocks,
-# 32 table columns, so max_dec_blocks = 32).
-BLOCK_SIZE = 8
-MAX_MODEL_LEN = 256
-BLOCKS_PER_SEQ = 32
-PROMPT_LEN = 4  # one encoder block per slot
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Shapes and sequence lengths of a step_paddle timing state."""
+
+    block_size: int
+    max_model_len: int  # L = input_ids.shape[1]; max_dec_blocks = L / block_size
+    blocks_per_seq: int  # M
+    prompt_len: int
+    preempted_step_idx: int  # tokens a preempted slot had generated: re-prefill = prompt + these
+    preempted_used: int  # used_list_len of a preempted slot
+
+    @property
+    def encoder_blocks(self) -> int:
+        return -(-self.prompt_len // self.block_size)
+
+    @property
+    def recovery_budget(self) -> int:
+        """SPEC's budget of a preempted slot of this geometry."""
+        room = min(self.max_model_len // self.block_size, self.blocks_per_seq)
+        return max(1, min(self.preempted_used + 1, room - self.encoder_blocks))
+
+
+# benchmarks/bench_ops.py's geometry: L = 256 tokens, 8-token blocks, 32 table
+# columns, one encoder block; a preempted slot re-prefills 4 + 16 tokens.
+SHORT = Geometry(8, 256, 32, 4, 16, 2)
+# A preempted slot that re-prefills 1024 + 3072 tokens into 48 fresh blocks:
+# the copy of its generated tokens into input_ids is the bulk of the work.
+LONG = Geometry(64, 4096, 64, 1024, 3072, 48)
 STEADY_BLOCKS = 2  # decoder blocks of a steady slot
 VICTIM_BLOCKS = 4  # decoder blocks of a slot the preemption rows preempt
-PREEMPTED_USED = 2  # used_list_len of a preempted slot: recovery budget 3
-RECOVERY_BUDGET = PREEMPTED_USED + 1
 
-# (state, B, preemptions, recoveries): the rows of issue 14.
+# (state, B, preemptions, recoveries, geometry): the rows of issue 14, and two
+# recovery rows with long sequences.
 STEP_ROWS = (
-    ("steady decode", 1, 0, 0),
-    ("steady decode", 64, 0, 0),
-    ("steady decode", 255, 0, 0),
-    ("5 preemptions", 64, 5, 0),
-    ("32 preemptions", 255, 32, 0),
-    ("2 recoveries", 64, 0, 2),
-    ("1 recovery", 255, 0, 1),
-    ("steady decode", 1024, 0, 0),
-    ("steady decode", 4096, 0, 0),
-    ("steady decode", 16384, 0, 0),
+    ("steady decode", 1, 0, 0, SHORT),
+    ("steady decode", 64, 0, 0, SHORT),
+    ("steady decode", 255, 0, 0, SHORT),
+    ("5 preemptions", 64, 5, 0, SHORT),
+    ("32 preemptions", 255, 32, 0, SHORT),
+    ("2 recoveries", 64, 0, 2, SHORT),
+    ("1 recovery", 255, 0, 1, SHORT),
+    ("2 recoveries, 4096-token re-prefills", 64, 0, 2, LONG),
+    ("1 recovery, 4096-token re-prefill", 255, 0, 1, LONG),
+    ("steady decode", 1024, 0, 0, SHORT),
+    ("steady decode", 4096, 0, 0, SHORT),
+    ("steady decode", 16384, 0, 0, SHORT),
 )
 ADVANCE_BATCHES = (1, 64, 255, 1024, 4096, 16384)
 
@@ -87,19 +113,22 @@ assert ADVANCE_START_MAX + CALLS_PER_ROW < ADVANCE_COLUMNS * ADVANCE_BLOCK_SIZE
 # ---- States. ------------------------------------------------------------------
 
 
-def timing_state(batch: int, preemptions: int = 0, recoveries: int = 0) -> dict:
+def timing_state(
+    batch: int, preemptions: int = 0, recoveries: int = 0, geometry: Geometry = SHORT
+) -> dict:
     """A step_paddle input (NumPy) on which one call preempts exactly
     `preemptions` and recovers exactly `recoveries` slots; with neither, a
     steady decode state that the call leaves unchanged.
 
-    Steady slot: 1 encoder + STEADY_BLOCKS decoder blocks, writing inside its
-    last block. Preemptions: slots 0..p-1 hold VICTIM_BLOCKS blocks each (the
-    largest holders, so the victims) and p * VICTIM_BLOCKS other slots are
-    needy (at a block boundary) with an empty pool: exactly p victims free
-    enough blocks. Recoveries: slots 0..r were preempted earlier (r + 1 on
-    step_block_list, used_list_len PREEMPTED_USED) and the pool holds r
-    budgets: the walk from the last entry recovers r and stops at slot 0.
+    Steady slot: its encoder blocks + STEADY_BLOCKS decoder blocks, writing
+    inside its last block. Preemptions: slots 0..p-1 hold VICTIM_BLOCKS blocks
+    each (the largest holders, so the victims) and p * VICTIM_BLOCKS other
+    slots are needy (at a block boundary) with an empty pool: exactly p victims
+    free enough blocks. Recoveries: slots 0..r were preempted earlier (r + 1 on
+    step_block_list, used_list_len geometry.preempted_used) and the pool holds
+    r budgets: the walk from the last entry recovers r and stops at slot 0.
     """
+    g = geometry
     kinds = ["steady"] * batch
     pool = 0
     if preemptions:
@@ -111,43 +140,49 @@ def timing_state(batch: int, preemptions: int = 0, recoveries: int = 0) -> dict:
         assert recoveries + 1 <= batch, "not enough slots for that many recoveries"
         assert not preemptions, "one kind of event per row"
         kinds[: recoveries + 1] = ["preempted"] * (recoveries + 1)
-        pool = recoveries * RECOVERY_BUDGET
+        pool = recoveries * g.recovery_budget
     decoder_blocks = {"steady": STEADY_BLOCKS, "victim": VICTIM_BLOCKS, "needy": 1, "preempted": 0}
     held = sum(decoder_blocks[kind] for kind in kinds)
     capacity = held + pool  # decoder blocks 0..capacity-1; the pool holds the last `pool`
     state = make_state(
         batch,
-        BLOCKS_PER_SEQ,
-        MAX_MODEL_LEN,
+        g.blocks_per_seq,
+        g.max_model_len,
         free_list=range(held, capacity),
         free_list_size=max(capacity, 1),
     )
     next_block = 0
     for slot, kind in enumerate(kinds):
-        encoder = [capacity + slot]  # encoder block ids follow the decoder ones
+        # Encoder block ids follow the decoder ones.
+        first_encoder = capacity + slot * g.encoder_blocks
+        encoder = list(range(first_encoder, first_encoder + g.encoder_blocks))
         if kind == "preempted":
             add_preempted(
                 state,
                 slot,
                 encoder_blocks=encoder,
-                used_list_len=PREEMPTED_USED,
-                prompt_len=PROMPT_LEN,
-                step_idx=16,
+                used_list_len=g.preempted_used,
+                prompt_len=g.prompt_len,
+                step_idx=g.preempted_step_idx,
             )
             continue
         count = decoder_blocks[kind]
         decoder = list(range(next_block, next_block + count))
         next_block += count
-        # Columns 0..count hold blocks; a needy slot writes column count + 1 next
-        # (-1), the others write inside column count.
-        position = (count + 1) * BLOCK_SIZE if kind == "needy" else count * BLOCK_SIZE + 3
+        # Columns up to encoder + count - 1 hold blocks; a needy slot writes the
+        # next column (-1), the others write inside the last one they hold.
+        held_columns = g.encoder_blocks + count
+        if kind == "needy":
+            position = held_columns * g.block_size
+        else:
+            position = (held_columns - 1) * g.block_size + 3
         add_running(
             state,
             slot,
             encoder_blocks=encoder,
             decoder_blocks=decoder,
             seq_lens_decoder=position,
-            prompt_len=PROMPT_LEN,
+            prompt_len=g.prompt_len,
         )
     assert next_block == held
     return {name: state[name] for name in STEP_PADDLE_TENSORS}
@@ -212,17 +247,24 @@ class PackedArrays:
 
 
 @pytest.mark.parametrize(
-    "label,batch,preemptions,recoveries",
+    "label,batch,preemptions,recoveries,geometry",
     [row for row in STEP_ROWS if row[1] <= 1024],
     ids=[f"{row[0]}-B{row[1]}" for row in STEP_ROWS if row[1] <= 1024],
 )
-def test_timing_state_does_what_its_row_says(label, batch, preemptions, recoveries):
-    state = timing_state(batch, preemptions, recoveries)
-    after = ref_step_paddle(state, BLOCK_SIZE)
+def test_timing_state_does_what_its_row_says(label, batch, preemptions, recoveries, geometry):
+    state = timing_state(batch, preemptions, recoveries, geometry)
+    after = ref_step_paddle(state, geometry.block_size)
     assert events_of_call(state, after) == (preemptions, recoveries), label
     if not preemptions and not recoveries:
         # Steady: the call changes nothing, so repeated calls are identical.
         assert_same_bytes(after, state, context=f"{label}, B={batch}:")
+    for slot in np.asarray(after["recover_block_list"]).reshape(-1)[:recoveries]:
+        # The re-prefill covers prompt + generated tokens of the geometry.
+        expected_len = geometry.prompt_len + geometry.preempted_step_idx
+        assert int(np.asarray(after["seq_lens_this_time"]).reshape(-1)[slot]) == expected_len
+        assert int(np.asarray(after["used_list_len"]).reshape(-1)[slot]) == (
+            geometry.recovery_budget
+        )
 
 
 def test_timing_state_packs_and_unpacks():
@@ -242,7 +284,7 @@ def _upload_packed(gpu, packed: PackedArrays):
     return buffer, gpu.pointer(buffer)
 
 
-def _step_paddle_args(packed: PackedArrays, base: int, stream) -> tuple:
+def _step_paddle_args(packed: PackedArrays, base: int, block_size: int, stream) -> tuple:
     """paddle_step_step_paddle's arguments for the packed tensors at `base`."""
     shape = {name: packed.layout[name][2] for name in STEP_PADDLE_TENSORS}
     pointers = (ctypes.c_void_p * len(STEP_PADDLE_TENSORS))(
@@ -255,7 +297,7 @@ def _step_paddle_args(packed: PackedArrays, base: int, stream) -> tuple:
         shape["free_list"][0],
         shape["input_ids"][1],
         shape["pre_ids"][1],
-        BLOCK_SIZE,
+        block_size,
         stream,
     )
 
@@ -268,8 +310,10 @@ def _graph_us_per_call(gpu, record) -> float:
     return replay_ms * 1e3 / CALLS_PER_GRAPH
 
 
-def _time_step_paddle(gpu, label: str, batch: int, preemptions: int, recoveries: int) -> dict:
-    state = timing_state(batch, preemptions, recoveries)
+def _time_step_paddle(
+    gpu, label: str, batch: int, preemptions: int, recoveries: int, geometry: Geometry
+) -> dict:
+    state = timing_state(batch, preemptions, recoveries, geometry)
     restore = bool(preemptions or recoveries)
     # The tensors the op writes first, so that one copy of a prefix restores them.
     order = [name for name in STEP_PADDLE_TENSORS if name in STEP_PADDLE_OUTPUTS]
@@ -278,7 +322,7 @@ def _time_step_paddle(gpu, label: str, batch: int, preemptions: int, recoveries:
     restore_bytes = max(packed.end_of(name) for name in STEP_PADDLE_OUTPUTS)
     work, base = _upload_packed(gpu, packed)
     pristine, pristine_base = _upload_packed(gpu, packed)
-    args = _step_paddle_args(packed, base, gpu.stream)
+    args = _step_paddle_args(packed, base, geometry.block_size, gpu.stream)
 
     def launch():
         gpu.check(gpu.lib.paddle_step_step_paddle(*args), "paddle_step_step_paddle")
@@ -303,7 +347,7 @@ def _time_step_paddle(gpu, label: str, batch: int, preemptions: int, recoveries:
     # Every call started from the pristine state (restored, or unchanged by a
     # steady call): the buffers hold one call's result.
     got = packed.unpack(gpu.backend.to_host(work))
-    expected = ref_step_paddle(state, BLOCK_SIZE)
+    expected = ref_step_paddle(state, geometry.block_size)
     assert_same_bytes(got, expected, context=f"step_paddle {label}, B={batch}, after the graph:")
     assert events_of_call(state, got) == (preemptions, recoveries)
     copy_us = _graph_us_per_call(gpu, record_copies) if restore else None
