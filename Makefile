@@ -2,7 +2,7 @@
 #   make demo   - set up .venv, build the ops, run examples/generate.py
 #   make test   - set up .venv, build the ops, run the test suite
 # Others: make build, make bench, make bench-paddleformers, make cuda-check, make gpu-test,
-# make gpu-bench, make clean.
+# make gpu-bench, make gpu-sanitize, make clean.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -12,7 +12,7 @@ PY = $(VENV)/bin/python
 OP_SOURCES = setup_ops.py requirements.txt $(shell find ops python -type f \( -name '*.cc' -o -name '*.cu' -o -name '*.h' -o -name '*.py' -o -name '*.json' -o -name '*.safetensors' \) 2>/dev/null)
 CUDA_HOME ?= /usr/local/cuda
 
-.PHONY: demo test build bench bench-paddleformers cuda-check gpu-test gpu-bench clean
+.PHONY: demo test build bench bench-paddleformers cuda-check gpu-test gpu-bench gpu-sanitize clean
 
 # Reinstalls when either requirements file changes.
 $(VENV)/.installed: requirements.txt requirements-dev.txt
@@ -66,6 +66,11 @@ gpu-test:
 gpu-bench:
 	@test -x $(CUDA_HOME)/bin/nvcc || { echo "gpu-bench: no nvcc under $(CUDA_HOME), skipped"; exit 0; }
 	$(MAKE) -C tests/gpu bench CUDA_HOME=$(CUDA_HOME)
+
+# The GPU kernel tests under compute-sanitizer (memcheck, racecheck, synccheck, initcheck).
+gpu-sanitize:
+	@test -x $(CUDA_HOME)/bin/compute-sanitizer || { echo "gpu-sanitize: no compute-sanitizer under $(CUDA_HOME), skipped"; exit 0; }
+	$(MAKE) -C tests/gpu sanitize CUDA_HOME=$(CUDA_HOME)
 
 clean:
 	rm -rf build python/*.egg-info $(VENV) .venv-cuda

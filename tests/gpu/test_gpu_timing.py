@@ -52,7 +52,6 @@ HOST_CALLS = 200
 CALLS_PER_ROW = 1 + CALLS_PER_GRAPH * (WARMUP_REPLAYS + REPLAYS) + HOST_WARMUP + HOST_CALLS
 
 
-
 @dataclass(frozen=True)
 class Geometry:
     """Shapes and sequence lengths of a step_paddle timing state."""
