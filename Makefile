@@ -41,10 +41,12 @@ bench: build
 	$(PY) benchmarks/bench_decode.py
 
 # Decode throughput against PaddleFormers' LlamaForCausalLM.generate on the same random
-# Llama-shaped checkpoints. PaddleFormers is heavy, so only this target installs it.
-bench-paddleformers: build
-	$(PY) -m pip install --quiet "paddleformers==1.2.0"
-	$(PY) benchmarks/bench_decode.py --paddleformers
+# Llama-shaped checkpoints. PaddleFormers is heavy and pins older numpy, tokenizers and
+# huggingface_hub, so only this target installs it, in its own virtual environment.
+bench-paddleformers:
+	$(MAKE) VENV=.venv-bench build
+	.venv-bench/bin/python -m pip install --quiet "paddleformers==1.2.0"
+	.venv-bench/bin/python benchmarks/bench_decode.py --paddleformers
 
 # The CUDA variant: paddlepaddle-gpu 2.6.2 (a CUDA 11.8 build that runs on CPU
 # without a GPU) and this machine's nvcc; builds, imports, and runs the op
