@@ -58,14 +58,15 @@ PADDLE_STEP_HOST_DEVICE int32_t* TableRow(const StepPaddleParams& p,
   return p.block_tables + slot * p.blocks_per_seq;
 }
 
-// Table column of the position a sequence writes next.
-// seq_lens_decoder is int32, so a 32-bit division gives the same truncated
-// quotient whenever block_size fits in int32 (and the quotient is 0 when it
-// does not); a 64-bit division is a slow routine on the GPU.
+// Table column of the position a sequence writes next. seq_lens_decoder is
+// int32, so when block_size fits in int32 a 32-bit division gives the same
+// truncated quotient; a 64-bit division is a slow routine on the GPU.
 PADDLE_STEP_HOST_DEVICE int64_t NextColumn(const StepPaddleParams& p,
                                            int64_t slot) {
   const int32_t position = p.seq_lens_decoder[slot];
-  if (p.block_size > INT32_MAX) return 0;
+  if (p.block_size > INT32_MAX) {
+    return static_cast<int64_t>(position) / p.block_size;  // 0, or -1 at 2^31
+  }
   return position / static_cast<int32_t>(p.block_size);
 }
 

@@ -176,9 +176,31 @@ def empty_pool_all_stopped_and_full_table(run_op: StepRunner) -> None:
     assert got["free_list_len"][0] == 2 and list(got["block_tables"][0]) == [4, -1]
 
 
+def extreme_block_sizes(run_op: StepRunner) -> None:
+    # The column of a position is a truncating division by block_size; the CUDA
+    # kernel divides in 32 bits when block_size fits, in 64 bits otherwise. At
+    # block_size 2^31 the position -2^31 is column -1 (not in the table: not needy),
+    # -2^31 + 1 column 0 (needy: that column is empty).
+    int32 = np.iinfo(np.int32)
+    positions = [int32.min, int32.min + 1, -1, 0, 1, int32.max]
+    for block_size in (int32.max, 2**31, 2**31 + 1, 2**40):
+        state = make_state(len(positions), 3, 4, free_list=[20, 21, 22, 23, 24, 25, 26])
+        for slot, position in enumerate(positions):
+            state["stop_flags"][slot] = False
+            state["seq_lens_this_time"][slot] = 1
+            state["seq_lens_decoder"][slot] = position
+        got = run_op(state, block_size)
+        expected = ref_step_paddle(state, block_size)
+        assert_same_bytes(got, expected, context=f"block_size={block_size}:")
+        if block_size == 2**31:
+            table = np.asarray(got["block_tables"])
+            assert (table[0] == -1).all() and table[1, 0] >= 0, table
+
+
 # The cases every build runs with no arguments but the runner.
 FIXED_CASES = {
     "shortfall": shortfall,
     "batch_4096": batch_4096,
     "empty_pool_all_stopped_and_full_table": empty_pool_all_stopped_and_full_table,
+    "extreme_block_sizes": extreme_block_sizes,
 }
