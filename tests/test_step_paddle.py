@@ -47,6 +47,10 @@ def test_extreme_block_sizes(place):
     cases.extreme_block_sizes(run_op)
 
 
+def test_many_recoveries(place):
+    cases.many_recoveries(run_op)
+
+
 @pytest.mark.parametrize("step_idx", [np.iinfo(np.int64).min, -5, 0, 1, 30, np.iinfo(np.int64).max])
 def test_recovery_with_extreme_step_idx(place, step_idx):
     # Index arithmetic on step_idx must neither overflow nor leave the rows.

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from ..tensor_table import STEP_PADDLE_TENSORS
-from .fake_decode_loop import FakeDecodeLoop, make_state
+from .fake_decode_loop import FakeDecodeLoop, add_preempted, make_state
 from .ref_step_paddle import ref_step_paddle
 
 StepRunner = Callable[[Mapping[str, np.ndarray], int], dict]
@@ -197,10 +197,30 @@ def extreme_block_sizes(run_op: StepRunner) -> None:
             assert (table[0] == -1).all() and table[1, 0] >= 0, table
 
 
+def many_recoveries(run_op: StepRunner) -> None:
+    # Every slot preempted earlier and the pool holding all their budgets: one call
+    # recovers them all, more than one 512-sequence chunk of the CUDA kernel's
+    # rebuild (each sequence rebuilt by one thread there), at a batch under and
+    # one over its two-launch threshold (1,024 slots).
+    for batch in (700, 1100):
+        budget = 2  # used_list_len 1, room for more: one block more than it held
+        pool = budget * batch
+        state = make_state(batch, 4, 16, free_list=range(pool))
+        for slot in range(batch):
+            add_preempted(
+                state, slot, encoder_blocks=[pool + slot], used_list_len=1, prompt_len=3, step_idx=5
+            )
+        got = run_op(state, 4)
+        assert_same_bytes(got, ref_step_paddle(state, 4), context=f"B={batch}:")
+        recovered = np.asarray(got["recover_block_list"]).reshape(-1)
+        assert sorted(recovered.tolist()) == list(range(batch)) and got["free_list_len"][0] == 0
+
+
 # The cases every build runs with no arguments but the runner.
 FIXED_CASES = {
     "shortfall": shortfall,
     "batch_4096": batch_4096,
     "empty_pool_all_stopped_and_full_table": empty_pool_all_stopped_and_full_table,
     "extreme_block_sizes": extreme_block_sizes,
+    "many_recoveries": many_recoveries,
 }
