@@ -172,13 +172,15 @@ __global__ void __launch_bounds__(kStepThreads)
     }
     __syncthreads();
     if (victim < 0) continue;
+    // Leaving the needy list and the preemption itself touch different
+    // tensors, so they overlap; the barrier at the loop's top orders both
+    // before the next victim search.
     for (int64_t index = tid; index < needy_total; index += kStepThreads) {
       if (p.need_block_list[index] == victim) {  // a slot is listed once
         p.need_block_list[index] = -1;
         needy_count -= 1;
       }
     }
-    __syncthreads();
     if (tid == 0) pool_len = PreemptSlot(p, victim, pool_len, &step_len);
   }
 

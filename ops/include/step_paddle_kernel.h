@@ -157,9 +157,12 @@ PADDLE_STEP_HOST_DEVICE void FreeSlot(const StepPaddleParams& p, int64_t slot,
 PADDLE_STEP_HOST_DEVICE uint64_t VictimKey(const StepPaddleParams& p,
                                            int64_t slot,
                                            bool include_full_holders) {
-  if (p.stop_flags[slot] || p.is_block_step[slot]) return 0;
+  // All three loads before any test, so that on the GPU they are in flight
+  // together (a short-circuit would make each wait for the one before).
+  const bool stopped = p.stop_flags[slot];
+  const bool block_step = p.is_block_step[slot];
   const int64_t used_blocks = p.used_list_len[slot];
-  if (used_blocks <= 0) return 0;
+  if (stopped || block_step || used_blocks <= 0) return 0;
   if (!include_full_holders && used_blocks == p.max_dec_blocks) return 0;
   return (static_cast<uint64_t>(used_blocks) << 32) |
          static_cast<uint64_t>(0xFFFFFFFFu - static_cast<uint32_t>(slot));
