@@ -75,4 +75,4 @@ gpu-sanitize:
 	$(MAKE) -C tests/gpu sanitize CUDA_HOME=$(CUDA_HOME)
 
 clean:
-	rm -rf build python/*.egg-info $(VENV) .venv-cuda
+	rm -rf build python/*.egg-info $(VENV) .venv-cuda .venv-bench
