@@ -70,6 +70,7 @@ from paddle.base import core  # noqa: E402
 
 import paddle_step.model_runner as runner_module  # noqa: E402
 from paddle_step.checkpoint import load_checkpoint  # noqa: E402
+from paddle_step.dense_blocks import onednn_available  # noqa: E402
 from paddle_step.engine import Engine  # noqa: E402
 from paddle_step.model import ModelConfig, TinyLlama  # noqa: E402
 from paddle_step.state import EngineConfig  # noqa: E402
@@ -599,7 +600,8 @@ def compare_main(args) -> dict:
     print(
         f"Greedy generation, {COMPARE_PROMPT_LEN}-token prompts, random float32 weights, CPU, "
         f"paddle {env['paddle']}, {env['cpu_count']} cores (shared, noisy machine), "
-        f"{env['blas_env']}; "
+        f"{env['blas_env']}, "
+        f"engine's oneDNN blocks {'on' if env['engine_onednn_blocks'] else 'off'}; "
         f"medians of {args.repeats} alternated runs. tokens/s = B * new tokens / wall time "
         "(prefill included)."
     )
@@ -629,11 +631,14 @@ def environment() -> dict:
         "cpu_count": os.cpu_count(),
         "device": "cpu",
         "note": "shared machine, other jobs running; wall time per phase",
-        # Both change the CPU matmul kernels' speed a lot (MKL_DEBUG_CPU_TYPE=5 makes MKL
-        # take its AVX2 path on AMD CPUs).
+        # All change the CPU matmul kernels' speed a lot (MKL_DEBUG_CPU_TYPE=5 makes MKL
+        # take its AVX2 path on AMD CPUs; PADDLE_STEP_ONEDNN=0 keeps the engine's dense
+        # blocks on eager MKL, see paddle_step.dense_blocks).
         "blas_env": {
-            name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "MKL_DEBUG_CPU_TYPE")
+            name: os.environ.get(name)
+            for name in ("OMP_NUM_THREADS", "MKL_DEBUG_CPU_TYPE", "PADDLE_STEP_ONEDNN")
         },
+        "engine_onednn_blocks": onednn_available("float32"),
     }
 
 

@@ -26,13 +26,11 @@ import numpy as np
 import paddle
 from paddle import nn
 
+from .dense_blocks import AllReduceFn, ModelBlocks, model_blocks
 from .tokenizer import ByteTokenizer
 
 # attend(q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> attention output [T, H * D]
 AttendFn = Callable[[paddle.Tensor, paddle.Tensor, paddle.Tensor], paddle.Tensor]
-# all_reduce(partial) -> the sum of ``partial`` over the tensor-parallel ranks (every rank
-# gets the same tensor); see ``paddle_step.tensor_parallel``.
-AllReduceFn = Callable[[paddle.Tensor], paddle.Tensor]
 
 
 @dataclass(frozen=True)
@@ -348,31 +346,22 @@ class PrefillLayout:
             self.restore_order = paddle.to_tensor(np.argsort(order).astype(np.int64))
 
 
-class RMSNorm(nn.Layer):
-    """Root-mean-square layer norm with a learned scale."""
+class RMSNormWeight(nn.Layer):
+    """The learned scale of an RMSNorm, which ``dense_blocks.rms_norm`` applies inside the
+    blocks; a layer of its own so that the parameter is named ``<norm>.weight``."""
 
-    def __init__(self, weight: np.ndarray, eps: float, dtype: str) -> None:
+    def __init__(self, weight: np.ndarray, dtype: str) -> None:
         super().__init__()
-        self.eps = eps
         self.weight = self.create_parameter(
             list(weight.shape),
             dtype=dtype,
             default_initializer=nn.initializer.Assign(weight.astype(dtype)),
         )
 
-    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        scale = paddle.rsqrt(paddle.mean(x * x, axis=-1, keepdim=True) + self.eps)
-        return x * scale * self.weight
 
-
-def _rotate_half(x: paddle.Tensor) -> paddle.Tensor:
-    first, second = paddle.chunk(x, 2, axis=-1)
-    return paddle.concat([-second, first], axis=-1)
-
-
-def _linear(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None) -> paddle.Tensor:
-    out = paddle.matmul(x, weight)
-    return out if bias is None else out + bias
+def _present(*tensors: paddle.Tensor | None) -> list[paddle.Tensor]:
+    """The optional trailing arguments of a block (biases) that this model has."""
+    return [tensor for tensor in tensors if tensor is not None]
 
 
 def _ones(size: int) -> Draw:
@@ -393,9 +382,11 @@ class DecoderLayer(nn.Layer):
 
     How attention finds its keys is left to the caller (``attend``), which is the only thing
     that differs between the naive and the paged forward. Matrices are [in, out] (x @ W).
+    The dense parts around attention are ``blocks`` (``paddle_step.dense_blocks``), shared
+    by the model's layers.
 
-    With ``all_reduce``, the layer holds one tensor-parallel rank's shard (``wo`` and
-    ``w_down`` are row slices): their products are partial sums, reduced before the
+    For one tensor-parallel rank's shard (``blocks`` made with an ``all_reduce``), ``wo``
+    and ``w_down`` are row slices: their products are partial sums, reduced before the
     residual add, and ``o_bias`` is added once, after the reduction.
     """
 
@@ -404,11 +395,11 @@ class DecoderLayer(nn.Layer):
         config: ModelConfig,
         prefix: str,
         values: ParameterValues,
-        all_reduce: AllReduceFn | None = None,
+        blocks: ModelBlocks,
     ) -> None:
         super().__init__()
         self.config = config
-        self.all_reduce = all_reduce
+        self.blocks = blocks
         hidden, head_dim = config.hidden_size, config.head_dim
         q_width, kv_width = config.num_heads * head_dim, config.num_kv_heads * head_dim
 
@@ -426,9 +417,9 @@ class DecoderLayer(nn.Layer):
         def bias(name: str, size: int, present: bool) -> paddle.Tensor | None:
             return parameter(name, [size], _small_normal(size)) if present else None
 
-        def norm(name: str) -> RMSNorm:
+        def norm(name: str) -> RMSNormWeight:
             weight = values(f"{prefix}.{name}.weight", [hidden], _ones(hidden))
-            return RMSNorm(weight, config.rms_eps, config.dtype)
+            return RMSNormWeight(weight, config.dtype)
 
         self.attn_norm = norm("attn_norm")
         self.wq = linear("wq", hidden, q_width)
@@ -464,33 +455,20 @@ class DecoderLayer(nn.Layer):
     ) -> paddle.Tensor:
         """``x`` [T, hidden]; ``rope`` = (cos, sin) [T, 1, head_dim] for each token's
         position."""
-        cfg = self.config
-        tokens = x.shape[0]
         w_qkv, qkv_bias, w_gate_up = self._fused_weights()
-        h = self.attn_norm(x)
-        qkv = _linear(h, w_qkv, qkv_bias).reshape(
-            [tokens, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim]
-        )
-        # Rotary embedding on q and k together, then split by heads.
-        qk, v = paddle.split(qkv, [cfg.num_heads + cfg.num_kv_heads, cfg.num_kv_heads], axis=1)
         cos, sin = rope
-        qk = qk * cos + _rotate_half(qk) * sin
-        q, k = paddle.split(qk, [cfg.num_heads, cfg.num_kv_heads], axis=1)
-        x = x + self._row_parallel(attend(q, k, v), self.wo, self.o_bias)
-
-        h = self.mlp_norm(x)
-        gate, up = paddle.split(paddle.matmul(h, w_gate_up), 2, axis=1)
-        gated = nn.functional.silu(gate) * up
-        return x + self._row_parallel(gated, self.w_down, None)
-
-    def _row_parallel(
-        self, x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None
-    ) -> paddle.Tensor:
-        """``x @ weight + bias``, the product summed over the ranks before the bias."""
-        out = paddle.matmul(x, weight)
-        if self.all_reduce is not None:
-            out = self.all_reduce(out)
-        return out if bias is None else out + bias
+        q, k, v = self.blocks.attention_inputs(
+            x, self.attn_norm.weight, w_qkv, cos, sin, *_present(qkv_bias)
+        )
+        return self.blocks.output_and_mlp(
+            x,
+            attend(q, k, v),
+            self.wo,
+            self.mlp_norm.weight,
+            w_gate_up,
+            self.w_down,
+            *_present(self.o_bias),
+        )
 
 
 class TinyLlama(nn.Layer):
@@ -536,6 +514,7 @@ class TinyLlama(nn.Layer):
                 return array
 
         hidden, vocab = config.hidden_size, config.vocab_size
+        self.blocks = model_blocks(config, all_reduce)
 
         def parameter(name: str, shape: list[int], draw: Draw) -> paddle.Tensor:
             return self.create_parameter(
@@ -553,12 +532,12 @@ class TinyLlama(nn.Layer):
         )
         self.layers = nn.LayerList(
             [
-                DecoderLayer(config, f"layers.{i}", values, all_reduce)
+                DecoderLayer(config, f"layers.{i}", values, self.blocks)
                 for i in range(config.num_layers)
             ]
         )
-        self.final_norm = RMSNorm(
-            values("final_norm.weight", [hidden], _ones(hidden)), config.rms_eps, config.dtype
+        self.final_norm = RMSNormWeight(
+            values("final_norm.weight", [hidden], _ones(hidden)), config.dtype
         )
         self.lm_head = (
             None
@@ -591,12 +570,13 @@ class TinyLlama(nn.Layer):
         positions: paddle.Tensor,
         attend_for_layer: Callable[[int], AttendFn],
     ) -> paddle.Tensor:
-        """Final-normed hidden states [T, hidden] of the tokens ``input_ids`` [T]."""
+        """Hidden states [T, hidden] of the tokens ``input_ids`` [T], before the final norm
+        (``_logits`` applies it, to the rows it needs)."""
         x = paddle.gather(self.embed, input_ids)
         rope = self._rope(positions)
         for index, layer in enumerate(self.layers):
             x = layer(x, rope, attend_for_layer(index))
-        return self.final_norm(x)
+        return x
 
     def _attention(
         self, q: paddle.Tensor, keys: paddle.Tensor, values: paddle.Tensor, mask: paddle.Tensor
@@ -640,12 +620,13 @@ class TinyLlama(nn.Layer):
         return out.reshape([batches, tokens, cfg.num_heads * cfg.head_dim])
 
     def _logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
-        if self.lm_head is None:
-            return paddle.matmul(hidden, self.embed, transpose_y=True)
-        return paddle.matmul(hidden, self.lm_head)
+        """Logits [N, vocab] of hidden states [N, hidden] from ``_run_layers``."""
+        head = self.embed if self.lm_head is None else self.lm_head
+        return self.blocks.logits(hidden, self.final_norm.weight, head)
 
     def _naive_hidden(self, sequence: Sequence[int]) -> paddle.Tensor:
-        """Hidden states [len(sequence), hidden] of one whole sequence, no cache."""
+        """Hidden states [len(sequence), hidden] of one whole sequence, no cache (before the
+        final norm)."""
         ids = paddle.to_tensor(list(sequence), dtype="int64")
         length = ids.shape[0]
         causal = self._additive_mask(paddle.tril(paddle.ones([length, length], dtype="bool")))
