@@ -4,6 +4,8 @@ printed, and the switch works."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import paddle
 import pytest
@@ -31,6 +33,14 @@ BIASED_TIED = ModelConfig(
     seed=3,
 )
 PLAIN = ModelConfig(vocab_size=777, hidden_size=64, num_layers=2, seed=4)
+ISSUE_SHAPE = ModelConfig(
+    vocab_size=32000,
+    hidden_size=512,
+    num_layers=1,
+    num_heads=8,
+    num_kv_heads=4,
+    intermediate_size=1536,
+)
 
 
 def block_arguments(model: TinyLlama, rows: int, rng: np.random.Generator) -> dict:
@@ -99,20 +109,29 @@ class Spy:
 
 
 @needs_onednn
-def test_rows_pick_the_path() -> None:
-    blocks = model_blocks(PLAIN)
-    for name, min_rows in (
-        ("attention_inputs", dense_blocks.QKV_MIN_ROWS),
-        ("output_and_mlp", dense_blocks.MLP_MIN_ROWS),
-        ("logits", dense_blocks.LOGITS_MIN_ROWS),
-    ):
+@pytest.mark.parametrize(
+    "config", [BIASED_TIED, PLAIN, ISSUE_SHAPE], ids=["biased-tied", "plain", "issue"]
+)
+def test_work_size_picks_the_path(config: ModelConfig) -> None:
+    cfg = config
+    q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    macs_per_row = {
+        "attention_inputs": cfg.hidden_size * (q_width + 2 * kv_width),
+        "output_and_mlp": cfg.hidden_size * (q_width + 3 * cfg.intermediate_size),
+        "logits": cfg.hidden_size * cfg.vocab_size,
+    }
+    blocks = model_blocks(config)
+    for name, per_row in macs_per_row.items():
         block = getattr(blocks, name)
         calls: list[str] = []
         block.function, block.compiled = Spy("eager", calls), Spy("compiled", calls)
-        assert block.min_rows == min_rows
+        min_rows = max(2, math.ceil(dense_blocks.MIN_COMPILED_MACS / per_row))
+        assert block.min_rows == min_rows, name
         for rows in (1, min_rows - 1, min_rows, min_rows + 50):
             block(paddle.zeros([rows, 4]))
         assert calls == ["eager", "eager", "compiled", "compiled"], name
+    if config is ISSUE_SHAPE:  # the thresholds measured on this shape
+        assert [getattr(blocks, name).min_rows for name in macs_per_row] == [23, 5, 2]
 
 
 def test_tensor_parallel_mlp_stays_eager() -> None:
@@ -162,10 +181,12 @@ def test_compiling_prints_nothing(capfd) -> None:
 
 @needs_onednn
 def test_paged_step_with_compiled_blocks_matches_eager(monkeypatch) -> None:
-    """A batch-8 decode-sized step runs the compiled logits (and a 40-token prefill all
-    three blocks); the same model with the switch off gives the same logits up to
-    float32 rounding and the same greedy tokens."""
+    """With the threshold lowered so that this small model compiles every block of two
+    rows or more (the 40-token prefill row, the 8 rows' logits), a mixed step gives the
+    same logits as the same model with the switch off, up to float32 rounding, and the
+    same greedy tokens."""
     config = ModelConfig(vocab_size=500, hidden_size=64, num_layers=2, seed=9)
+    monkeypatch.setattr(dense_blocks, "MIN_COMPILED_MACS", 1)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(1, 500, size=n).tolist() for n in (40, 3, 9, 1, 17, 2, 5, 8)]
     width, block_size = 48, 8
@@ -185,7 +206,9 @@ def test_paged_step_with_compiled_blocks_matches_eager(monkeypatch) -> None:
         )
         return model.forward_paged(**batch, kv_cache=cache).numpy()
 
-    compiled = step_logits(TinyLlama(config))
+    compiled_model = TinyLlama(config)
+    assert [block.min_rows for block in compiled_model.blocks] == [2, 2, 2]
+    compiled = step_logits(compiled_model)
     monkeypatch.setenv("PADDLE_STEP_ONEDNN", "0")
     eager_model = TinyLlama(config)
     assert eager_model.blocks.logits.compiled is None

@@ -4,11 +4,11 @@ Why compile: Paddle's eager CPU ``matmul`` calls MKL, and on a CPU that is not I
 takes its generic path. On this project's AMD EPYC the [8, 512] x [512, 32000] LM head of a
 batch-8 decode step takes 19 ms eagerly (~14 GFLOP/s). Paddle's static-graph executor with
 ``FLAGS_use_mkldnn`` runs oneDNN's kernels instead, which are generated for the CPU's own
-instruction set (AVX-512 here): 4 ms for the same product. A compiled call costs about
-0.1 ms more than an eager op, so each block runs compiled only from a number of rows up
-(``*_MIN_ROWS``, measured here); below it, and for float64, off the CPU, on Paddle before
-3.0, in a tensor-parallel layer (its all-reduce sits inside the block) or with
-``PADDLE_STEP_ONEDNN=0``, the same function runs eagerly.
+instruction set (AVX-512 here): 4 ms for the same product. A compiled call costs 0.3 to
+0.5 ms more than the same eager ops, so a block runs compiled only when its products are
+big enough (``MIN_COMPILED_MACS``, measured here); below that, and for float64, off the
+CPU, on Paddle before 3.0, in a tensor-parallel layer (its all-reduce sits inside the
+block) or with ``PADDLE_STEP_ONEDNN=0``, the same function runs eagerly.
 
 The same Python function is traced for the compiled program and called for the eager path,
 so the two compute the same expression; they differ only in float rounding (a different
@@ -29,13 +29,12 @@ from paddle.static import InputSpec
 if TYPE_CHECKING:
     from .model import ModelConfig
 
-# Rows (tokens) from which a block runs compiled: where the compiled call beat the eager
-# ops on the issue's Llama shape, 1 thread (``benchmarks/bench_decode.py``). Below them
-# the fixed ~0.1 ms of a compiled call outweighs its faster matmuls (and one row is a
-# matrix-vector product, which eager MKL does at memory speed).
-QKV_MIN_ROWS = 16
-MLP_MIN_ROWS = 8
-LOGITS_MIN_ROWS = 2
+# Multiply-adds of a call (rows x the block's weight elements) from which it runs
+# compiled: the compiled call's fixed cost is repaid from about there, measured per
+# block on the issue's Llama shape (hidden 512) and on the shipped model's (hidden 128),
+# one thread. One row is a matrix-vector product, which eager MKL does at memory speed:
+# never compiled.
+MIN_COMPILED_MACS = 12_000_000
 
 ENV_SWITCH = "PADDLE_STEP_ONEDNN"
 
@@ -153,7 +152,8 @@ def _onednn_kernels() -> Iterator[None]:
 
 class DenseBlock:
     """One of the blocks above (``make(copy_outputs)`` builds its function), called eagerly,
-    or compiled when ``compile`` and its first argument has at least ``min_rows`` rows.
+    or compiled when ``compile`` and its first argument has at least ``min_rows`` rows:
+    2, or enough that rows x ``macs_per_row`` reaches ``MIN_COMPILED_MACS``.
 
     ``input_spec``: one ``InputSpec`` per tensor argument (any number of rows; the
     program is traced once, at its first compiled call).
@@ -163,11 +163,11 @@ class DenseBlock:
         self,
         make: Callable[[bool], Callable],
         input_spec: list[InputSpec],
-        min_rows: int,
+        macs_per_row: int,
         compile: bool,
     ) -> None:
         self.function = make(False)
-        self.min_rows = min_rows
+        self.min_rows = max(2, -(-MIN_COMPILED_MACS // macs_per_row))
         self.compiled = (
             paddle.jit.to_static(make(True), input_spec=input_spec, full_graph=True)
             if compile
@@ -213,7 +213,7 @@ def model_blocks(config: ModelConfig, all_reduce: AllReduceFn | None = None) -> 
             [spec(rows, hidden), spec(hidden), spec(hidden, qkv_width)]
             + [spec(rows, 1, head_dim)] * 2
             + ([spec(qkv_width)] if config.qkv_bias else []),
-            QKV_MIN_ROWS,
+            hidden * qkv_width,
             compile,
         ),
         output_and_mlp=DenseBlock(
@@ -227,13 +227,13 @@ def model_blocks(config: ModelConfig, all_reduce: AllReduceFn | None = None) -> 
                 spec(intermediate, hidden),
             ]
             + ([spec(hidden)] if config.o_proj_bias else []),
-            MLP_MIN_ROWS,
+            (q_width + 3 * intermediate) * hidden,
             compile and all_reduce is None,  # the all-reduce runs between its products
         ),
         logits=DenseBlock(
             lambda copy: make_logits(eps, config.tie_word_embeddings, copy),
             [spec(rows, hidden), spec(hidden), spec(*vocab_shape)],
-            LOGITS_MIN_ROWS,
+            hidden * config.vocab_size,
             compile,
         ),
     )
