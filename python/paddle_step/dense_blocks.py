@@ -56,6 +56,8 @@ def rotate_half(x: paddle.Tensor) -> paddle.Tensor:
     return paddle.concat([-second, first], axis=-1)
 
 
+# all_reduce(partial) -> the sum of ``partial`` over the tensor-parallel ranks (every rank
+# gets the same tensor); see ``paddle_step.tensor_parallel``.
 AllReduceFn = Callable[[paddle.Tensor], paddle.Tensor]
 
 
