@@ -82,7 +82,7 @@ def as_list(outputs) -> list[np.ndarray]:
 
 @needs_onednn
 @pytest.mark.parametrize("config", [BIASED_TIED, PLAIN], ids=["biased-tied", "plain"])
-@pytest.mark.parametrize("rows", [1, 2, 7, 16, 83])
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 17, 83])
 def test_compiled_blocks_match_eager(config: ModelConfig, rows: int) -> None:
     model = TinyLlama(config)
     rng = np.random.default_rng(rows)
@@ -132,6 +132,45 @@ def test_work_size_picks_the_path(config: ModelConfig) -> None:
         assert calls == ["eager", "eager", "compiled", "compiled"], name
     if config is ISSUE_SHAPE:  # the thresholds measured on this shape
         assert [getattr(blocks, name).min_rows for name in macs_per_row] == [23, 5, 2]
+
+
+def test_padded_rows_bound_the_shapes() -> None:
+    counts = range(1, 16385)
+    padded = [dense_blocks.padded_rows(rows) for rows in counts]
+    assert all(p == r for r, p in zip(counts, padded) if r <= dense_blocks.EXACT_ROWS)
+    assert all(r <= p <= r * 1.125 for r, p in zip(counts, padded))
+    assert padded == sorted(padded)
+    assert len(set(padded)) == 96
+
+
+@needs_onednn
+def test_compiled_call_pads_and_returns_the_real_rows() -> None:
+    """The program sees padded per-row arguments (zeros appended), the other arguments as
+    they are, and the caller gets back exactly its rows."""
+    blocks = model_blocks(PLAIN)
+    seen: list[list[list[int]]] = []
+
+    def program(*args):
+        seen.append([list(arg.shape) for arg in args])
+        return args[0] * 2, args[3] + 1, args[4]  # outputs with the padded row count
+
+    block = blocks.attention_inputs
+    block.min_rows, block.compiled = 2, program
+    x = paddle.arange(83 * 64, dtype="float32").reshape([83, 64]) + 1
+    angles = paddle.ones([83, 1, 16])
+    weights = [paddle.ones([64]), paddle.ones([64, 128])]
+    doubled, cos_plus_one, sin = block(x, *weights, angles, angles)
+    assert seen == [[[88, 64], [64], [64, 128], [88, 1, 16], [88, 1, 16]]]
+    np.testing.assert_array_equal(doubled.numpy(), 2 * x.numpy())
+    np.testing.assert_array_equal(cos_plus_one.numpy(), 2 * np.ones([83, 1, 16]))
+    assert sin.shape == [83, 1, 16]
+
+    logits = blocks.logits
+    logits.min_rows, logits.compiled = 2, lambda hidden, norm, head: hidden[:, :1] - 1
+    out = logits(x, *weights)
+    np.testing.assert_array_equal(out.numpy(), x.numpy()[:, :1] - 1)
+    exact = logits(x[:16], *weights)
+    assert exact.shape == [16, 1]
 
 
 def test_tensor_parallel_mlp_stays_eager() -> None:

@@ -38,6 +38,33 @@ MIN_COMPILED_MACS = 12_000_000
 
 ENV_SWITCH = "PADDLE_STEP_ONEDNN"
 
+# Row counts up to this go to a compiled program as they are; above it they are padded
+# (``padded_rows``).
+EXACT_ROWS = 16
+
+
+def padded_rows(rows: int) -> int:
+    """``rows`` rounded up to one of 8 sizes per power of two (at most 1/8 more), exact up
+    to ``EXACT_ROWS``.
+
+    Each new row count costs a compiled program about 3 ms (oneDNN generates kernels for
+    the shape) and about 100 KB that Paddle keeps for good: measured here, RSS grew by
+    147 MiB over 1,500 distinct counts and did not level off. A serving step's token count
+    changes every step, so compiled calls see these sizes only: about 100 up to 16,384
+    rows.
+    """
+    if rows <= EXACT_ROWS:
+        return rows
+    step = 1 << (rows.bit_length() - 4)  # 2^k <= rows < 2^(k+1): steps of 2^(k-3)
+    return -(-rows // step) * step
+
+
+def _pad_rows(x: paddle.Tensor, rows: int) -> paddle.Tensor:
+    """``x`` [T, ...] with zero rows appended up to ``rows`` (a zero row stays finite
+    through every block: RMSNorm's eps keeps its scale finite)."""
+    padding = paddle.zeros([rows - x.shape[0], *x.shape[1:]], dtype=x.dtype)
+    return paddle.concat([x, padding])
+
 
 def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
     """Root-mean-square norm over the last axis, times ``weight``.
@@ -155,10 +182,11 @@ def _onednn_kernels() -> Iterator[None]:
 class DenseBlock:
     """One of the blocks above (``make(copy_outputs)`` builds its function), called eagerly,
     or compiled when ``compile`` and its first argument has at least ``min_rows`` rows:
-    2, or enough that rows x ``macs_per_row`` reaches ``MIN_COMPILED_MACS``.
+    2, or enough that rows x ``macs_per_row`` reaches ``MIN_COMPILED_MACS``. A compiled
+    call pads its per-row arguments to ``padded_rows`` and returns the real rows.
 
-    ``input_spec``: one ``InputSpec`` per tensor argument (any number of rows; the
-    program is traced once, at its first compiled call).
+    ``input_spec``: one ``InputSpec`` per tensor argument, leading dimension None for the
+    per-row ones (the program is traced once, at its first compiled call).
     """
 
     def __init__(
@@ -170,6 +198,7 @@ class DenseBlock:
     ) -> None:
         self.function = make(False)
         self.min_rows = max(2, -(-MIN_COMPILED_MACS // macs_per_row))
+        self.per_row = [spec.shape[0] == -1 for spec in input_spec]  # None reads as -1
         self.compiled = (
             paddle.jit.to_static(make(True), input_spec=input_spec, full_graph=True)
             if compile
@@ -177,10 +206,22 @@ class DenseBlock:
         )
 
     def __call__(self, *args):
-        if self.compiled is None or args[0].shape[0] < self.min_rows:
+        rows = args[0].shape[0]
+        if self.compiled is None or rows < self.min_rows:
             return self.function(*args)
+        padded = padded_rows(rows)
+        if padded != rows:
+            args = [
+                _pad_rows(arg, padded) if per_row else arg
+                for arg, per_row in zip(args, self.per_row)
+            ]
         with _onednn_kernels():
-            return self.compiled(*args)
+            outputs = self.compiled(*args)
+        if padded == rows:
+            return outputs
+        if isinstance(outputs, tuple):
+            return tuple(output[:rows] for output in outputs)
+        return outputs[:rows]
 
 
 class ModelBlocks(NamedTuple):
