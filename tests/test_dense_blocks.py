@@ -113,12 +113,11 @@ class Spy:
     "config", [BIASED_TIED, PLAIN, ISSUE_SHAPE], ids=["biased-tied", "plain", "issue"]
 )
 def test_work_size_picks_the_path(config: ModelConfig) -> None:
-    cfg = config
-    q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    q_width, kv_width = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     macs_per_row = {
-        "attention_inputs": cfg.hidden_size * (q_width + 2 * kv_width),
-        "output_and_mlp": cfg.hidden_size * (q_width + 3 * cfg.intermediate_size),
-        "logits": cfg.hidden_size * cfg.vocab_size,
+        "attention_inputs": config.hidden_size * (q_width + 2 * kv_width),
+        "output_and_mlp": config.hidden_size * (q_width + 3 * config.intermediate_size),
+        "logits": config.hidden_size * config.vocab_size,
     }
     blocks = model_blocks(config)
     for name, per_row in macs_per_row.items():

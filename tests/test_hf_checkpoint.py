@@ -118,7 +118,10 @@ def test_float32_greedy_ids_match_transformers(name, blocks, monkeypatch) -> Non
     entries = golden_prompts(name, "float32")
     prompts = [e["prompt_ids"] for e in entries]
     logits_min_rows = loaded.model.blocks.logits.min_rows
-    assert logits_min_rows == 2 if blocks == "all-compiled" else logits_min_rows > len(prompts)
+    if blocks == "all-compiled":
+        assert logits_min_rows == 2
+    else:  # the logits of these prompts, all in one step, stay eager
+        assert logits_min_rows > len(prompts)
     expected = [e["greedy_ids"] for e in entries]
     results, _ = generate_naive(loaded.model, prompts, NEW_TOKENS)
     assert [r.token_ids for r in results] == expected
