@@ -100,7 +100,7 @@ setup(
     packages=find_packages("python"),
     package_dir={"": "python"},
     # The shipped default model (weights, tokenizer, configs) travels with the package.
-    package_data={"paddle_step": ["models/*/*.json", "models/*/*.safetensors", "models/*.md"]},
+    package_data={"paddle_step": ["assets/*/*.json", "assets/*/*.safetensors", "assets/*.md"]},
     # Not paddle: it comes as paddlepaddle or paddlepaddle-gpu (one name per build), and
     # naming either would make pip replace the other; the build needs it installed anyway.
     install_requires=RUNTIME_REQUIREMENTS,

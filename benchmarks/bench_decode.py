@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where a decode step's time goes in the example engine (``paddle_step.engine.Engine``).
 
-For each batch size B the engine runs a small ``TinyLlama`` (the default ModelConfig:
+For each batch size B the engine runs a small ``LlamaForCausalLM`` (the default ModelConfig:
 hidden 64, 2 layers, byte vocabulary, random weights) on B slots kept full of greedy
 requests (prompts of 8..32 tokens, 256 new tokens max, eos disabled, so no slot finishes
 during the measurement: steady-state decode). The first steps (admission, the prefill of
@@ -68,13 +68,13 @@ warnings.filterwarnings("ignore", message=".*ccache.*")
 import paddle  # noqa: E402
 from paddle.base import core  # noqa: E402
 
-import paddle_step.model_runner as runner_module  # noqa: E402
-from paddle_step.checkpoint import load_checkpoint  # noqa: E402
-from paddle_step.dense_blocks import onednn_available  # noqa: E402
-from paddle_step.engine import Engine  # noqa: E402
-from paddle_step.model import ModelConfig, TinyLlama  # noqa: E402
-from paddle_step.state import EngineConfig  # noqa: E402
-from paddle_step.tensor_table import STEP_PADDLE_OUTPUTS, STEP_PADDLE_TENSORS  # noqa: E402
+import paddle_step.engine.model_runner as runner_module  # noqa: E402
+from paddle_step.config import EngineConfig, ModelConfig  # noqa: E402
+from paddle_step.engine.llm_engine import Engine  # noqa: E402
+from paddle_step.layers.dense_blocks import onednn_available  # noqa: E402
+from paddle_step.model_loader.loader import load_checkpoint  # noqa: E402
+from paddle_step.models.llama import LlamaForCausalLM  # noqa: E402
+from paddle_step.spec.tensor_table import STEP_PADDLE_OUTPUTS, STEP_PADDLE_TENSORS  # noqa: E402
 
 FULL_BATCHES = (1, 8, 64, 256)
 QUICK_BATCHES = (1, 8)
@@ -197,7 +197,7 @@ class StepProbe:
 
 
 def make_engine(batch: int, seed: int) -> tuple[Engine, list]:
-    model = TinyLlama(ModelConfig(seed=seed))
+    model = LlamaForCausalLM(ModelConfig(seed=seed))
     per_region = batch * (MAX_MODEL_LEN // BLOCK_SIZE)
     config = EngineConfig(
         max_batch=batch,
@@ -311,7 +311,7 @@ def bench_batch(batch: int, steps: int, warmup: int, seed: int = 0) -> dict:
 def print_table(report: dict) -> None:
     env = report["env"]
     print(
-        f"Engine decode steps, TinyLlama (hidden {report['model']['hidden_size']}, "
+        f"Engine decode steps, LlamaForCausalLM (hidden {report['model']['hidden_size']}, "
         f"{report['model']['num_layers']} layers), CPU, paddle {env['paddle']}, "
         f"{env['cpu_count']} cores (shared, noisy machine). Mean us per step."
     )

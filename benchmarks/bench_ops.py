@@ -56,7 +56,7 @@ from paddle import _C_ops  # noqa: E402
 
 import paddle_step  # noqa: E402
 import paddle_step_ops  # noqa: E402
-from paddle_step.tensor_table import STEP_PADDLE_OUTPUTS, STEP_PADDLE_TENSORS  # noqa: E402
+from paddle_step.spec.tensor_table import STEP_PADDLE_OUTPUTS, STEP_PADDLE_TENSORS  # noqa: E402
 from paddle_step.testing.fake_decode_loop import FakeDecodeLoop  # noqa: E402
 from paddle_step.testing.ref_advance_step import ref_advance_step  # noqa: E402
 from paddle_step.testing.ref_step_paddle import ref_step_paddle  # noqa: E402

@@ -22,7 +22,7 @@ import time
 import httpx
 import numpy as np
 
-from paddle_step.engine_args import add_engine_arguments, build_engine, check_engine_arguments
+from paddle_step.engine.arg_utils import add_engine_arguments, build_engine, check_engine_arguments
 from paddle_step.testing.server_process import server_process
 
 PROMPT_STARTS = [

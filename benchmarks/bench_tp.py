@@ -22,10 +22,10 @@ import time
 
 import numpy as np
 
-from paddle_step.engine import Engine
-from paddle_step.model import ModelConfig, TinyLlama
-from paddle_step.state import EngineConfig
-from paddle_step.tensor_parallel import init_tensor_parallel, shard_model
+from paddle_step.config import EngineConfig, ModelConfig
+from paddle_step.distributed.tensor_parallel import init_tensor_parallel, shard_model
+from paddle_step.engine.llm_engine import Engine
+from paddle_step.models.llama import LlamaForCausalLM
 
 
 def main() -> None:
@@ -47,7 +47,7 @@ def main() -> None:
         num_kv_heads=args.kv_heads,
         intermediate_size=1536,
     )
-    model = TinyLlama(config)
+    model = LlamaForCausalLM(config)
     if group is not None:
         model = shard_model(model, group)
     max_model_len = args.prompt_len + args.max_new_tokens + 8

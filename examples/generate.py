@@ -1,8 +1,8 @@
 """Generate text with the paddle_step engine: continuous batching over a paged KV cache.
 
 By default it runs the small model shipped with the package (a Llama trained on Python's
-documentation, see python/paddle_step/models/README.md); ``--model DIR`` runs a Hugging
-Face checkpoint (Llama, Mistral, Qwen2), ``--model random`` a random-weight TinyLlama.
+documentation, see python/paddle_step/assets/README.md); ``--model DIR`` runs a Hugging
+Face checkpoint (Llama, Mistral, Qwen2), ``--model random`` a random-weight LlamaForCausalLM.
 
     python examples/generate.py                     # built-in prompts, CPU, greedy
     python examples/generate.py --model path/to/Qwen2.5-0.5B-Instruct --chat \
@@ -29,8 +29,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from paddle_step.check_state import StateError
-from paddle_step.engine_args import (
+from paddle_step.distributed.tensor_parallel import RankDivergenceError
+from paddle_step.engine.arg_utils import (
     LoadedModel,
     add_engine_arguments,
     build_engine,
@@ -38,9 +38,9 @@ from paddle_step.engine_args import (
     engine_config,
     load_model,
 )
-from paddle_step.naive import generate_naive
-from paddle_step.sequence import GenerationResult, GenerationStats
-from paddle_step.tensor_parallel import RankDivergenceError
+from paddle_step.engine.naive import generate_naive
+from paddle_step.engine.outputs import GenerationResult, GenerationStats
+from paddle_step.spec.check_state import StateError
 
 try:  # optional: only the progress bar needs it
     from tqdm import tqdm

@@ -34,7 +34,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 BOS, EOS = "<s>", "</s>"
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO / "python" / "paddle_step" / "models" / "pydoc-tiny"
+DEFAULT_OUT = REPO / "python" / "paddle_step" / "assets" / "pydoc-tiny"
 DEFAULT_PROMPTS = ["The for statement", "def ", "A list is", 'The "import" statement']
 
 

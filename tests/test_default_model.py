@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from paddle_step.checkpoint import load_checkpoint
-from paddle_step.engine import Engine
-from paddle_step.engine_args import DEFAULT_MODEL
-from paddle_step.naive import generate_naive
-from paddle_step.state import EngineConfig
+from paddle_step.config import EngineConfig
+from paddle_step.engine.arg_utils import DEFAULT_MODEL
+from paddle_step.engine.llm_engine import Engine
+from paddle_step.engine.naive import generate_naive
+from paddle_step.model_loader.loader import load_checkpoint
 
 PROMPT = "The for statement"
 PROMPT_IDS = [0, 339, 341, 462]  # <s> first: the tokenizer's post-processor adds it

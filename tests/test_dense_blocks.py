@@ -10,9 +10,11 @@ import numpy as np
 import paddle
 import pytest
 
-import paddle_step.dense_blocks as dense_blocks
-from paddle_step.dense_blocks import model_blocks, onednn_available
-from paddle_step.model import ModelConfig, PagedKVCache, TinyLlama, build_flat_batch
+import paddle_step.layers.dense_blocks as dense_blocks
+from paddle_step.config import ModelConfig
+from paddle_step.layers.dense_blocks import model_blocks, onednn_available
+from paddle_step.layers.paged_attention import PagedKVCache, build_flat_batch
+from paddle_step.models.llama import LlamaForCausalLM
 
 needs_onednn = pytest.mark.skipif(
     not onednn_available("float32"),
@@ -43,7 +45,7 @@ ISSUE_SHAPE = ModelConfig(
 )
 
 
-def block_arguments(model: TinyLlama, rows: int, rng: np.random.Generator) -> dict:
+def block_arguments(model: LlamaForCausalLM, rows: int, rng: np.random.Generator) -> dict:
     """Arguments of each block of ``model``'s first layer for ``rows`` tokens."""
     cfg, layer = model.config, model.layers[0]
     w_qkv, qkv_bias, w_gate_up = layer._fused_weights()
@@ -84,7 +86,7 @@ def as_list(outputs) -> list[np.ndarray]:
 @pytest.mark.parametrize("config", [BIASED_TIED, PLAIN], ids=["biased-tied", "plain"])
 @pytest.mark.parametrize("rows", [1, 2, 7, 16, 17, 83])
 def test_compiled_blocks_match_eager(config: ModelConfig, rows: int) -> None:
-    model = TinyLlama(config)
+    model = LlamaForCausalLM(config)
     rng = np.random.default_rng(rows)
     with paddle.no_grad():
         for name, args in block_arguments(model, rows, rng).items():
@@ -195,7 +197,7 @@ def test_switch_rejects_other_values(monkeypatch) -> None:
 @needs_onednn
 @pytest.mark.parametrize("user_setting", [False, True])
 def test_flag_is_left_as_found(user_setting: bool) -> None:
-    model = TinyLlama(PLAIN)
+    model = LlamaForCausalLM(PLAIN)
     args = block_arguments(model, 8, np.random.default_rng(0))["logits"]
     paddle.set_flags({"FLAGS_use_mkldnn": user_setting})
     try:
@@ -210,7 +212,7 @@ def test_flag_is_left_as_found(user_setting: bool) -> None:
 def test_compiling_prints_nothing(capfd) -> None:
     """A compiled ``paddle.mean`` prints on stdout (Paddle 3.3), which would corrupt
     ``generate.py --json``: the blocks must not contain one."""
-    model = TinyLlama(BIASED_TIED)  # new programs: traced and compiled in this test
+    model = LlamaForCausalLM(BIASED_TIED)  # new programs: traced and compiled in this test
     with paddle.no_grad():
         for name, args in block_arguments(model, 90, np.random.default_rng(1)).items():
             getattr(model.blocks, name)(*args)
@@ -233,7 +235,7 @@ def test_paged_step_with_compiled_blocks_matches_eager(monkeypatch) -> None:
         input_ids[row, : len(prompt)] = prompt
     tables = np.arange(len(prompts) * 6, dtype=np.int32).reshape(len(prompts), 6)
 
-    def step_logits(model: TinyLlama) -> np.ndarray:
+    def step_logits(model: LlamaForCausalLM) -> np.ndarray:
         cache = PagedKVCache.for_config(config, num_blocks=tables.size, block_size=block_size)
         batch = build_flat_batch(
             paddle.to_tensor(input_ids),
@@ -244,11 +246,11 @@ def test_paged_step_with_compiled_blocks_matches_eager(monkeypatch) -> None:
         )
         return model.forward_paged(**batch, kv_cache=cache).numpy()
 
-    compiled_model = TinyLlama(config)
+    compiled_model = LlamaForCausalLM(config)
     assert [block.min_rows for block in compiled_model.blocks] == [2, 2, 2]
     compiled = step_logits(compiled_model)
     monkeypatch.setenv("PADDLE_STEP_ONEDNN", "0")
-    eager_model = TinyLlama(config)
+    eager_model = LlamaForCausalLM(config)
     assert eager_model.blocks.logits.compiled is None
     eager = step_logits(eager_model)
     np.testing.assert_allclose(compiled, eager, rtol=1e-4, atol=1e-4)

@@ -6,21 +6,22 @@ import numpy as np
 import paddle
 import pytest
 
-from paddle_step.block_allocator import EncoderBlockAllocator
-from paddle_step.check_state import check_state
-from paddle_step.engine import Engine
-from paddle_step.model import ModelConfig, TinyLlama
-from paddle_step.naive import generate_naive
-from paddle_step.sampling import sample_tokens
-from paddle_step.state import EngineConfig, ShareInputs
+from paddle_step.config import EngineConfig, ModelConfig
+from paddle_step.engine.block_allocator import EncoderBlockAllocator
+from paddle_step.engine.llm_engine import Engine
+from paddle_step.engine.naive import generate_naive
+from paddle_step.engine.slot_state import ShareInputs
+from paddle_step.layers.sampler import sample_tokens
+from paddle_step.models.llama import LlamaForCausalLM
+from paddle_step.spec.check_state import check_state
 
 
 @pytest.fixture(scope="module")
-def model() -> TinyLlama:
-    return TinyLlama(ModelConfig(dtype="float64", seed=11))
+def model() -> LlamaForCausalLM:
+    return LlamaForCausalLM(ModelConfig(dtype="float64", seed=11))
 
 
-def greedy_reference(model: TinyLlama, prompts, max_new_tokens) -> list[list[int]]:
+def greedy_reference(model: LlamaForCausalLM, prompts, max_new_tokens) -> list[list[int]]:
     results, _ = generate_naive(model, prompts, max_new_tokens)
     return [result.token_ids for result in results]
 
@@ -128,7 +129,7 @@ def test_allocator_hands_each_block_out_once() -> None:
 # ---------------------------------------------------------------- requests
 
 
-def test_add_request_rejects_requests_that_cannot_run(model: TinyLlama) -> None:
+def test_add_request_rejects_requests_that_cannot_run(model: LlamaForCausalLM) -> None:
     config = EngineConfig(max_batch=2, max_model_len=16, block_size=4, num_kv_blocks=10)
     engine = Engine(model, config)
     with pytest.raises(ValueError, match="expected at least one token"):
@@ -152,7 +153,7 @@ def test_add_request_rejects_requests_that_cannot_run(model: TinyLlama) -> None:
     assert engine.num_waiting == 0 and not engine.has_unfinished()
 
 
-def test_admission_waits_for_a_free_slot_and_reuses_it(model: TinyLlama) -> None:
+def test_admission_waits_for_a_free_slot_and_reuses_it(model: LlamaForCausalLM) -> None:
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14, 15, 16, 17, 18]]
     limits = [2, 7, 4]
     config = EngineConfig(max_batch=2, max_model_len=16, block_size=4, num_kv_blocks=16)
@@ -175,7 +176,7 @@ def test_admission_waits_for_a_free_slot_and_reuses_it(model: TinyLlama) -> None
     assert [tokens[i] for i in ids] == greedy_reference(model, prompts, limits)
 
 
-def test_admission_waits_for_encoder_blocks(model: TinyLlama) -> None:
+def test_admission_waits_for_encoder_blocks(model: LlamaForCausalLM) -> None:
     # The encoder region (8 blocks) holds two 9..12-token prompts (3 + 1 blocks each), so
     # the third request waits although slots are free.
     prompts = [list(range(20, 30)), list(range(40, 49)), list(range(60, 72))]
@@ -191,7 +192,7 @@ def test_admission_waits_for_encoder_blocks(model: TinyLlama) -> None:
     assert [tokens[i] for i in range(3)] == greedy_reference(model, prompts, 6)
 
 
-def test_eos_and_length_stops(model: TinyLlama) -> None:
+def test_eos_and_length_stops(model: LlamaForCausalLM) -> None:
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     greedy = greedy_reference(model, [prompt], 12)[0]
     eos = greedy[3]
@@ -210,7 +211,7 @@ def test_eos_and_length_stops(model: TinyLlama) -> None:
     assert at_model_len.finish_reason == "length" and len(at_model_len.token_ids) == 16
 
 
-def test_state_is_released_when_everything_finishes(model: TinyLlama) -> None:
+def test_state_is_released_when_everything_finishes(model: LlamaForCausalLM) -> None:
     config = EngineConfig(max_batch=3, max_model_len=24, block_size=4, num_kv_blocks=24)
     engine = Engine(model, config)
     engine.generate([[1, 2, 3], [4] * 10, [7, 8]], [9, 3, 14])
@@ -223,7 +224,7 @@ def test_state_is_released_when_everything_finishes(model: TinyLlama) -> None:
     assert engine.stats.generated_tokens == 26 and engine.stats.steps >= 14
 
 
-def test_invariants_hold_every_step_under_preemption(model: TinyLlama) -> None:
+def test_invariants_hold_every_step_under_preemption(model: LlamaForCausalLM) -> None:
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 256, int(rng.integers(1, 12))).tolist() for _ in range(10)]
     limits = [int(rng.integers(8, 20)) for _ in prompts]
@@ -241,7 +242,7 @@ def test_invariants_hold_every_step_under_preemption(model: TinyLlama) -> None:
     assert [tokens[i] for i in range(len(prompts))] == greedy_reference(model, prompts, limits)
 
 
-def test_no_progress_raises_instead_of_looping(model: TinyLlama) -> None:
+def test_no_progress_raises_instead_of_looping(model: LlamaForCausalLM) -> None:
     config = EngineConfig(max_batch=2, max_model_len=16, block_size=4, num_kv_blocks=16)
     engine = Engine(model, config)
     leaked = engine.encoder_blocks.allocate(config.num_encoder_blocks)  # simulate a leak
@@ -272,7 +273,8 @@ def test_sampler_greedy_and_nucleus() -> None:
 
 def test_share_inputs_check_reports_a_planted_corruption():
     from paddle_step import StateError
-    from paddle_step.state import EngineConfig, ShareInputs
+    from paddle_step.config import EngineConfig
+    from paddle_step.engine.slot_state import ShareInputs
 
     state = ShareInputs(EngineConfig(max_batch=2, max_model_len=16, block_size=4, num_kv_blocks=16))
     state.check()  # a fresh state is valid
@@ -285,7 +287,7 @@ def test_share_inputs_check_reports_a_planted_corruption():
 # ---------------------------------------------------------------- serving hooks
 
 
-def test_eos_list_and_ignore_eos(model: TinyLlama) -> None:
+def test_eos_list_and_ignore_eos(model: LlamaForCausalLM) -> None:
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     greedy = greedy_reference(model, [prompt], 12)[0]
     stops = [greedy[5], greedy[2]]  # either ends the request: the earlier one does
@@ -300,7 +302,7 @@ def test_eos_list_and_ignore_eos(model: TinyLlama) -> None:
         engine.add_request(prompt, 4, eos_token_id=list(range(9)))
 
 
-def test_last_step_tokens_stream_every_token(model: TinyLlama) -> None:
+def test_last_step_tokens_stream_every_token(model: LlamaForCausalLM) -> None:
     config = EngineConfig(
         max_batch=6, max_model_len=32, block_size=4, num_kv_blocks=40, decoder_pool_ratio=0.2
     )
@@ -325,7 +327,7 @@ def run_to_end(engine: Engine) -> dict[int, list[int]]:
     return tokens
 
 
-def test_seeded_request_samples_the_same_whatever_its_arrival(model: TinyLlama) -> None:
+def test_seeded_request_samples_the_same_whatever_its_arrival(model: LlamaForCausalLM) -> None:
     config = EngineConfig(max_batch=4, max_model_len=32, block_size=4, num_kv_blocks=64)
     prompt = [5, 6, 7]
     alone = Engine(model, config)
@@ -338,7 +340,7 @@ def test_seeded_request_samples_the_same_whatever_its_arrival(model: TinyLlama) 
 
 
 @pytest.mark.parametrize("when", ["waiting", "after-prefill", "decoding", "preempted"])
-def test_abort_frees_slot_and_blocks(model: TinyLlama, when: str) -> None:
+def test_abort_frees_slot_and_blocks(model: LlamaForCausalLM, when: str) -> None:
     config = EngineConfig(
         max_batch=6, max_model_len=32, block_size=4, num_kv_blocks=40, decoder_pool_ratio=0.2
     )

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import paddle_step
-from paddle_step.check_state import check_state
+from paddle_step.spec.check_state import check_state
 from paddle_step.testing.fake_decode_loop import (
     FakeDecodeLoop,
     add_preempted,

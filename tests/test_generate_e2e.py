@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from paddle_step.engine import Engine
-from paddle_step.model import ModelConfig, TinyLlama
-from paddle_step.naive import generate_naive
-from paddle_step.state import EngineConfig
+from paddle_step.config import EngineConfig, ModelConfig
+from paddle_step.engine.llm_engine import Engine
+from paddle_step.engine.naive import generate_naive
+from paddle_step.models.llama import LlamaForCausalLM
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_REQUESTS = 18
@@ -24,8 +24,8 @@ BLOCK_SIZE = 4
 
 
 @pytest.fixture(scope="module")
-def model() -> TinyLlama:
-    return TinyLlama(ModelConfig(dtype="float64", seed=5))
+def model() -> LlamaForCausalLM:
+    return LlamaForCausalLM(ModelConfig(dtype="float64", seed=5))
 
 
 @pytest.fixture(scope="module")

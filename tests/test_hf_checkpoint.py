@@ -12,15 +12,17 @@ import pytest
 import safetensors
 from safetensors.numpy import save_file
 
-import paddle_step.dense_blocks as dense_blocks
-from paddle_step.checkpoint import CheckpointError, load_checkpoint, read_safetensors
-from paddle_step.dense_blocks import onednn_available
-from paddle_step.engine import Engine
-from paddle_step.hf_config import model_config_from_hf
-from paddle_step.hf_tokenizer import HFTokenizer
-from paddle_step.model import Llama3RopeScaling, ModelConfig, TinyLlama
-from paddle_step.naive import generate_naive
-from paddle_step.state import EngineConfig
+import paddle_step.layers.dense_blocks as dense_blocks
+from paddle_step.config import EngineConfig, Llama3RopeScaling, ModelConfig
+from paddle_step.engine.llm_engine import Engine
+from paddle_step.engine.naive import generate_naive
+from paddle_step.errors import CheckpointError
+from paddle_step.layers.dense_blocks import onednn_available
+from paddle_step.model_loader.hf_config import model_config_from_hf
+from paddle_step.model_loader.loader import load_checkpoint
+from paddle_step.model_loader.weights import read_safetensors
+from paddle_step.models.llama import LlamaForCausalLM
+from paddle_step.tokenizer.hf import HFTokenizer
 
 DATA = Path(__file__).parent / "data" / "hf-tiny"
 GOLDEN = json.loads((DATA / "golden.json").read_text())
@@ -321,7 +323,7 @@ def test_rope_layouts_and_llama3_scaling() -> None:
             assert got == pytest.approx((1 - smooth) * freq / 8 + smooth * freq, rel=1e-15)
     assert scaled[0] == inv_freq[0] and scaled[-1] == pytest.approx(inv_freq[-1] / 8)
     assert any(freq / 8 < got < freq for freq, got in zip(inv_freq, scaled))
-    model = TinyLlama(
+    model = LlamaForCausalLM(
         model_config_from_hf(
             base_config(rope_scaling={"rope_type": "llama3", **llama3}), dtype="float64"
         )
@@ -350,7 +352,7 @@ def test_head_dim_gqa_bias_and_tying_from_config() -> None:
     assert not mistral.qkv_bias
 
     # Such a model (MQA, head_dim * heads != hidden, all biases, tied) runs paged = naive.
-    model = TinyLlama(config)
+    model = LlamaForCausalLM(config)
     assert model.lm_head is None and model.layers[0].wq.shape == [64, 128]
     prompt = [5, 9, 200, 7, 7, 31]
     tail = model.logits_all_positions(prompt).numpy()[-1]
@@ -366,7 +368,7 @@ def test_head_dim_gqa_bias_and_tying_from_config() -> None:
 def test_random_model_unchanged_by_default_fields() -> None:
     config = ModelConfig()
     assert config.head_dim == 16 and not config.tie_word_embeddings and not config.qkv_bias
-    names = {name for name, _ in TinyLlama(config).named_parameters()}
+    names = {name for name, _ in LlamaForCausalLM(config).named_parameters()}
     assert "lm_head" in names and not any("bias" in name for name in names)
 
 

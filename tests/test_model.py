@@ -8,18 +8,15 @@ import numpy as np
 import paddle
 import pytest
 
-from paddle_step.model import (
-    ModelConfig,
-    PagedKVCache,
-    TinyLlama,
-    build_flat_batch,
-)
-from paddle_step.tokenizer import ByteTokenizer
+from paddle_step.config import ModelConfig
+from paddle_step.layers.paged_attention import PagedKVCache, build_flat_batch
+from paddle_step.models.llama import LlamaForCausalLM
+from paddle_step.tokenizer.byte import ByteTokenizer
 
 
 @pytest.fixture(scope="module")
-def model64() -> TinyLlama:
-    return TinyLlama(ModelConfig(dtype="float64", seed=1234))
+def model64() -> LlamaForCausalLM:
+    return LlamaForCausalLM(ModelConfig(dtype="float64", seed=1234))
 
 
 def scrambled_block_tables(num_rows: int, blocks_per_row: int) -> np.ndarray:
@@ -49,7 +46,7 @@ def slot_state(
     )
 
 
-def naive_greedy(model: TinyLlama, prompt: list[int], num_new: int) -> list[int]:
+def naive_greedy(model: LlamaForCausalLM, prompt: list[int], num_new: int) -> list[int]:
     tokens = list(prompt)
     for _ in range(num_new):
         tokens.append(int(paddle.argmax(model.forward_naive([tokens]), axis=-1)[0]))
@@ -119,7 +116,9 @@ def test_slot_minus_one_writes_nothing() -> None:
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_mixed_prefill_decode_step_matches_naive(model64: TinyLlama, block_size: int) -> None:
+def test_mixed_prefill_decode_step_matches_naive(
+    model64: LlamaForCausalLM, block_size: int
+) -> None:
     rng = np.random.default_rng(block_size)
     short_prompt = rng.integers(0, 256, 5).tolist()
     long_prompt = rng.integers(0, 256, 19).tolist()
@@ -154,7 +153,7 @@ def test_mixed_prefill_decode_step_matches_naive(model64: TinyLlama, block_size:
 
 
 def test_float32_paged_matches_naive() -> None:
-    model = TinyLlama(ModelConfig(dtype="float32", seed=7))
+    model = LlamaForCausalLM(ModelConfig(dtype="float32", seed=7))
     prompts = [[1, 2, 3, 4, 5, 6, 7], [200, 100]]
     block_size = 4
     block_tables = paddle.to_tensor(scrambled_block_tables(2, 2))
@@ -167,7 +166,7 @@ def test_float32_paged_matches_naive() -> None:
     )
 
 
-def test_greedy_decode_paged_equals_naive(model64: TinyLlama) -> None:
+def test_greedy_decode_paged_equals_naive(model64: LlamaForCausalLM) -> None:
     """Drive the paged path like an engine: prefill, then one token per step, with the third
     sequence arriving late so its prefill shares steps with the others' decodes."""
     tok = ByteTokenizer()
@@ -206,7 +205,7 @@ def test_greedy_decode_paged_equals_naive(model64: TinyLlama) -> None:
     assert len({t for tokens in generated for t in tokens}) > 8
 
 
-def test_continuation_reads_the_cache_and_prefill_its_own_kv(model64: TinyLlama) -> None:
+def test_continuation_reads_the_cache_and_prefill_its_own_kv(model64: LlamaForCausalLM) -> None:
     """A row resuming at position 5 with several tokens (a chunked continuation) reads its
     earlier keys from the cache; a prefill row in the same step needs no cache at all."""
     rng = np.random.default_rng(11)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paddle_step.check_state import StateError, check_state
-from paddle_step.tensor_table import STEP_PADDLE_TENSORS
+from paddle_step.spec.check_state import StateError, check_state
+from paddle_step.spec.tensor_table import STEP_PADDLE_TENSORS
 from paddle_step.testing.fake_decode_loop import (
     FakeDecodeLoop,
     FakeLoopError,

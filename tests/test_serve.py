@@ -20,7 +20,8 @@ import openai
 import pytest
 import uvicorn
 
-from paddle_step import serve
+from paddle_step.engine.arg_utils import build_engine
+from paddle_step.entrypoints.openai import cli as serve
 from paddle_step.testing.server_process import server_process
 
 GOLDEN_LLAMA = Path(__file__).parent / "data" / "hf-tiny" / "llama-tiny"
@@ -102,7 +103,7 @@ def served(checkpoint):
 def offline(checkpoint):
     """Offline ``Engine.generate`` text for (prompt ids, max_tokens), same flags."""
     args = serve.parse_args(["--model", str(checkpoint), *SERVER_ARGS])
-    engine, loaded = serve.build_engine(args)
+    engine, loaded = build_engine(args)
     tokenizer = loaded.tokenizer
     cache: dict = {}
 

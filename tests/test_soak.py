@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from paddle_step.engine import Engine
-from paddle_step.model import ModelConfig, TinyLlama
-from paddle_step.naive import generate_naive
-from paddle_step.state import EngineConfig
+from paddle_step.config import EngineConfig, ModelConfig
+from paddle_step.engine.llm_engine import Engine
+from paddle_step.engine.naive import generate_naive
+from paddle_step.models.llama import LlamaForCausalLM
 
 MAX_MODEL_LEN = 48
 BLOCK_SIZE = 4
 
 
-def most_frequent_token(model: TinyLlama) -> int:
+def most_frequent_token(model: LlamaForCausalLM) -> int:
     """A token the model emits often enough that eos stops really happen."""
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, 6).tolist() for _ in range(6)]
@@ -29,7 +29,7 @@ def most_frequent_token(model: TinyLlama) -> int:
 
 
 def test_soak_tight_budget_matches_naive(soak_steps):
-    model = TinyLlama(ModelConfig(dtype="float64", seed=11))
+    model = LlamaForCausalLM(ModelConfig(dtype="float64", seed=11))
     eos_token_id = most_frequent_token(model)
     # A 12-block decoder pool (one full sequence) shared by 8 slots.
     config = EngineConfig(

@@ -10,7 +10,7 @@ import paddle
 import pytest
 
 import paddle_step
-from paddle_step.tensor_table import STEP_PADDLE_TENSORS
+from paddle_step.spec.tensor_table import STEP_PADDLE_TENSORS
 from paddle_step.testing import step_paddle_cases as cases
 from paddle_step.testing.fake_decode_loop import FakeDecodeLoop, add_preempted, make_state
 from paddle_step.testing.paddle_ops import run_step_paddle as run_op

@@ -19,11 +19,11 @@ import httpx
 import numpy as np
 import pytest
 
-from paddle_step.checkpoint import load_checkpoint
-from paddle_step.model import ModelConfig
-from paddle_step.serve import build_engine
-from paddle_step.serve import parse_args as serve_parse_args
-from paddle_step.tensor_parallel import shard_config, shard_weights
+from paddle_step.config import ModelConfig
+from paddle_step.distributed.tensor_parallel import shard_config, shard_weights
+from paddle_step.engine.arg_utils import build_engine
+from paddle_step.entrypoints.openai.cli import parse_args as serve_parse_args
+from paddle_step.model_loader.loader import load_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 CHECKPOINTS = REPO / "tests" / "data" / "hf-tiny"

@@ -1,8 +1,8 @@
 """TextStream: final text only, multi-byte characters whole, stop strings honoured."""
 
-from paddle_step.hf_tokenizer import IncrementalDetokenizer
-from paddle_step.serving.text_stream import TextStream
-from paddle_step.tokenizer import ByteTokenizer
+from paddle_step.entrypoints.openai.text_stream import TextStream
+from paddle_step.tokenizer.byte import ByteTokenizer
+from paddle_step.tokenizer.detokenizer import IncrementalDetokenizer
 
 
 def byte_stream(stops=()):

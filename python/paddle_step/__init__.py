@@ -8,7 +8,7 @@ The compiled ops and the engine load on first use, so ``paddle_step.check_state`
 import warnings
 from importlib import import_module
 
-from .check_state import StateError, check_state
+from .spec.check_state import StateError, check_state
 
 # `import paddle` warns "No ccache found" (paddle.utils.cpp_extension looks for a compiler
 # cache when it is imported): a concern of whoever builds extensions, not of a user of the
@@ -23,12 +23,13 @@ warnings.filterwarnings(
 _LAZY = {
     "advance_step": ".ops",
     "step_paddle": ".ops",
-    "Engine": ".engine",
-    "GenerationResult": ".sequence",
-    "GenerationStats": ".sequence",
-    "EngineConfig": ".state",
-    "load_checkpoint": ".checkpoint",
-    "CheckpointError": ".hf_config",
+    "Engine": ".engine.llm_engine",
+    "GenerationResult": ".engine.outputs",
+    "GenerationStats": ".engine.outputs",
+    "EngineConfig": ".config",
+    "ModelConfig": ".config",
+    "load_checkpoint": ".model_loader.loader",
+    "CheckpointError": ".errors",
 }
 
 __all__ = ["StateError", "check_state", *_LAZY]

@@ -12,7 +12,7 @@ import paddle
 
 import paddle_step_ops as _library
 
-from .tensor_table import STEP_PADDLE_OUTPUTS, STEP_PADDLE_TENSORS
+from .spec.tensor_table import STEP_PADDLE_OUTPUTS, STEP_PADDLE_TENSORS
 
 _in_dynamic_mode = paddle.in_dynamic_mode
 

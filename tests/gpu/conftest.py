@@ -23,7 +23,11 @@ import numpy as np
 import pytest
 
 # NumPy only: found through PYTHONPATH=python (tests/gpu/Makefile) or an install.
-from paddle_step.tensor_table import STEP_PADDLE_DTYPES, STEP_PADDLE_TABLE, STEP_PADDLE_TENSORS
+from paddle_step.spec.tensor_table import (
+    STEP_PADDLE_DTYPES,
+    STEP_PADDLE_TABLE,
+    STEP_PADDLE_TENSORS,
+)
 from paddle_step.testing.advance_step_cases import ADVANCE_STEP_OUTPUTS
 
 REPO = Path(__file__).resolve().parents[2]

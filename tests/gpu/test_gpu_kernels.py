@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paddle_step.tensor_table import STEP_PADDLE_TENSORS
+from paddle_step.spec.tensor_table import STEP_PADDLE_TENSORS
 from paddle_step.testing import advance_step_cases, step_paddle_cases
 from paddle_step.testing.advance_step_cases import ADVANCE_STEP_OUTPUTS, make_case
 from paddle_step.testing.fake_decode_loop import FakeDecodeLoop

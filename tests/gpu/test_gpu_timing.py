@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from paddle_step.tensor_table import STEP_PADDLE_OUTPUTS, STEP_PADDLE_TENSORS
+from paddle_step.spec.tensor_table import STEP_PADDLE_OUTPUTS, STEP_PADDLE_TENSORS
 from paddle_step.testing.advance_step_cases import ADVANCE_STEP_OUTPUTS
 from paddle_step.testing.fake_decode_loop import add_preempted, add_running, make_state
 from paddle_step.testing.ref_advance_step import ref_advance_step

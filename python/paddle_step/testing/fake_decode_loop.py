@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..tensor_table import STEP_PADDLE_TABLE, STEP_PADDLE_TENSORS, names_of_kind
+from ..spec.tensor_table import STEP_PADDLE_TABLE, STEP_PADDLE_TENSORS, names_of_kind
 
 # Tensors SPEC allows as [B] or [B, 1]; stopped_shape="[B,1]" gives them that shape.
 COLUMN_CAPABLE = names_of_kind("[B or B,1]")

@@ -10,7 +10,7 @@ import numpy as np
 import paddle
 
 from .. import ops
-from ..tensor_table import STEP_PADDLE_TENSORS
+from ..spec.tensor_table import STEP_PADDLE_TENSORS
 from .advance_step_cases import ADVANCE_STEP_OUTPUTS
 
 

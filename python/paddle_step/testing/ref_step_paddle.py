@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..tensor_table import STEP_PADDLE_TENSORS
+from ..spec.tensor_table import STEP_PADDLE_TENSORS
 
 
 def c_div(numerator: int, denominator: int) -> int:

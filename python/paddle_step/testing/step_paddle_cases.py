@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ..tensor_table import STEP_PADDLE_TENSORS
+from ..spec.tensor_table import STEP_PADDLE_TENSORS
 from .fake_decode_loop import FakeDecodeLoop, add_preempted, make_state
 from .ref_step_paddle import ref_step_paddle
 

@@ -2,7 +2,7 @@
 ``python -m paddle_step.serve``, and how they become a model and an ``Engine``.
 
 ``--model`` names a Hugging Face checkpoint directory (default: the small model shipped
-in the package), or ``random`` for a random-weight ``TinyLlama`` with the byte tokenizer.
+in the package), or ``random`` for a random-weight ``LlamaForCausalLM`` with the byte tokenizer.
 ``--max-model-len`` defaults to the model's context; when the KV budget cannot hold one
 sequence that long, it is reduced to what fits and a line on stderr says so.
 ``--tp N`` shards the model over the N processes of ``paddle.distributed.launch`` (see
@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .state import EngineConfig
+from ..config import EngineConfig
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -29,9 +29,9 @@ __all__ = [
     "load_tokenizer",
 ]
 
-DEFAULT_MODEL = Path(__file__).parent / "models" / "pydoc-tiny"
+DEFAULT_MODEL = Path(__file__).parents[1] / "assets" / "pydoc-tiny"
 RANDOM_MODEL = "random"
-# The random TinyLlama has no context of its own; this one keeps its demo quick.
+# The random LlamaForCausalLM has no context of its own; this one keeps its demo quick.
 RANDOM_MODEL_CONTEXT = 256
 
 
@@ -40,7 +40,7 @@ class LoadedModel:
     """A model with what serving it needs: its tokenizer, stop ids, context and name, and
     with ``--tp`` > 1 this process's place in the tensor-parallel group."""
 
-    model: object  # TinyLlama (this rank's shard with --tp > 1)
+    model: object  # LlamaForCausalLM (this rank's shard with --tp > 1)
     tokenizer: object  # HFTokenizer or ByteTokenizer
     eos_token_ids: list[int]
     context_len: int
@@ -55,7 +55,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         default=str(DEFAULT_MODEL),
         help="a Hugging Face checkpoint directory (Llama, Mistral, Qwen2), or 'random' for "
-        "a random-weight TinyLlama with a byte tokenizer (default: the shipped model)",
+        "a random-weight LlamaForCausalLM with a byte tokenizer (default: the shipped model)",
     )
     group.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     group.add_argument("--max-batch", type=int, default=4, help="batch slots")
@@ -117,18 +117,19 @@ def load_model(args: argparse.Namespace) -> LoadedModel:
     """The model ``--model`` names, in ``--dtype``; with ``--tp`` > 1, joins the process
     group and keeps this rank's shard. Raises ``CheckpointError`` (a ``ValueError``) for a
     checkpoint it cannot load, ``ValueError`` for a ``--tp`` that does not fit."""
-    from .tensor_parallel import init_tensor_parallel, shard_model
+    from ..distributed.tensor_parallel import init_tensor_parallel, shard_model
 
     group = init_tensor_parallel(args.tp)
     if args.model == RANDOM_MODEL:
-        from .model import ModelConfig, TinyLlama
-        from .tokenizer import ByteTokenizer
+        from ..config import ModelConfig
+        from ..models.llama import LlamaForCausalLM
+        from ..tokenizer.byte import ByteTokenizer
 
         tokenizer = ByteTokenizer()
-        model = TinyLlama(ModelConfig(dtype=args.dtype, seed=args.seed))
+        model = LlamaForCausalLM(ModelConfig(dtype=args.dtype, seed=args.seed))
         eos_token_ids, context_len, name = [tokenizer.eos_id], RANDOM_MODEL_CONTEXT, "random"
     else:
-        from .checkpoint import load_checkpoint
+        from ..model_loader.loader import load_checkpoint
 
         checkpoint = load_checkpoint(args.model, dtype=args.dtype)
         model, tokenizer = checkpoint.model, checkpoint.tokenizer
@@ -143,10 +144,10 @@ def load_tokenizer(args: argparse.Namespace):
     """The tokenizer of ``--model`` alone (no weights), for a process that only encodes
     and decodes."""
     if args.model == RANDOM_MODEL:
-        from .tokenizer import ByteTokenizer
+        from ..tokenizer.byte import ByteTokenizer
 
         return ByteTokenizer()
-    from .hf_tokenizer import HFTokenizer
+    from ..tokenizer.hf import HFTokenizer
 
     return HFTokenizer.from_dir(args.model)
 
@@ -205,8 +206,8 @@ def engine_config(args: argparse.Namespace, context_len: int) -> EngineConfig:
 
 def build_engine(args: argparse.Namespace, loaded: LoadedModel | None = None):
     """``(engine, loaded)`` for the flags (``loaded`` defaults to ``load_model(args)``)."""
-    from .engine import Engine
-    from .tensor_parallel import RankChecker
+    from ..distributed.tensor_parallel import RankChecker
+    from .llm_engine import Engine
 
     loaded = loaded if loaded is not None else load_model(args)
     config = engine_config(args, loaded.context_len)

@@ -10,21 +10,29 @@ found and what is supported.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from .model import Llama3RopeScaling, ModelConfig
+from ..config import Llama3RopeScaling, ModelConfig
+from ..errors import CheckpointError
 
-__all__ = ["CheckpointError", "SUPPORTED_ARCHITECTURES", "model_config_from_hf"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "model_config_from_hf", "read_json"]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
-# Config keys that mean a mixture-of-experts MLP, which TinyLlama does not have.
+# Config keys that mean a mixture-of-experts MLP, which LlamaForCausalLM does not have.
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint this package cannot load: what was found and what is supported."""
+def read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise CheckpointError(f"{path.parent}: no {path.name}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{path}: not valid JSON: {error}") from None
 
 
 def _require(config: Mapping[str, Any], key: str) -> Any:
@@ -108,7 +116,7 @@ def _check_full_attention(config: Mapping[str, Any], architecture: str, context:
 def model_config_from_hf(config: Mapping[str, Any], dtype: str = "float32") -> ModelConfig:
     """The ``ModelConfig`` of a Hugging Face ``config.json`` (parsed), computing in ``dtype``.
 
-    Raises ``CheckpointError`` for an architecture or feature ``TinyLlama`` does not have.
+    Raises ``CheckpointError`` for an architecture or feature ``LlamaForCausalLM`` does not have.
     """
     if dtype not in ("float32", "float64"):
         raise ValueError(

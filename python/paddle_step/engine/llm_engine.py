@@ -28,21 +28,23 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import paddle
 
+from ..config import EngineConfig
+from ..layers.sampler import sampling_key
+from ..models.llama import LlamaForCausalLM
+from ..spec.check_state import StateError
+from ..tokenizer.byte import ByteTokenizer
 from .block_allocator import EncoderBlockAllocator
-from .check_state import StateError
-from .model import TinyLlama
-from .model_runner import ModelRunner, StepOutcome
-from .sampling import sampling_key
+from .model_runner import ModelRunner
+from .outputs import GenerationResult, GenerationStats, StepOutcome
+from .request import Request
 from .scheduler import Scheduler
-from .sequence import GenerationResult, GenerationStats, Request
-from .state import EngineConfig, ShareInputs
-from .tokenizer import ByteTokenizer
+from .slot_state import ShareInputs
 
 __all__ = ["Engine", "GenerationResult", "GenerationStats"]
 
 
 class Engine:
-    """Generates from a ``TinyLlama`` with a paged KV cache and continuous batching.
+    """Generates from a ``LlamaForCausalLM`` with a paged KV cache and continuous batching.
 
     Args:
         model: the model; its parameters' place is where the state and cache live.
@@ -61,7 +63,7 @@ class Engine:
 
     def __init__(
         self,
-        model: TinyLlama,
+        model: LlamaForCausalLM,
         config: EngineConfig,
         *,
         tokenizer: ByteTokenizer | None = None,
@@ -176,21 +178,12 @@ class Engine:
         ``step`` has ``step_paddle`` free its decoder blocks, then retires it (prompt
         blocks and slot freed) with ``finish_reason`` ``"abort"``. Call between steps.
         """
-        scheduler = self.scheduler
-        if scheduler.remove_waiting(request_id):
-            return True
-        slot = scheduler.slot_of(request_id)
-        if slot is None:
+        aborted = self.scheduler.abort(request_id)
+        if aborted is None:
             return False
-        request = scheduler.slot_requests[slot]
-        if request.aborted:
-            return False
-        request.aborted = True
-        preempted = bool(scheduler.preempted[slot])
-        self.runner.abort_slot(slot, preempted)
-        scheduler.running[slot] = False
-        if preempted:
-            scheduler.preempted[slot] = False
+        if aborted.slot is not None:
+            self.runner.abort_slot(aborted.slot, aborted.was_preempted)
+        if aborted.was_preempted:
             self._step_lens -= 1  # it left step_block_list without being recovered
         return True
 

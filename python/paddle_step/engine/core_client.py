@@ -177,7 +177,7 @@ def _run_engine(args: argparse.Namespace, commands, events) -> None:
     applying it, so all ranks add and abort the same requests between the same steps
     and build the same schedule (the schedule itself is never sent).
     """
-    from ..engine_args import build_engine
+    from .arg_utils import build_engine
 
     try:
         engine, loaded = build_engine(args)

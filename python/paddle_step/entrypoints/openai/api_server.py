@@ -21,8 +21,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from ..hf_tokenizer import IncrementalDetokenizer
-from .engine_loop import EngineLoop, RequestHandle, SamplingParams
+from ...engine.core_client import EngineLoop, RequestHandle, SamplingParams
+from ...tokenizer.detokenizer import IncrementalDetokenizer
 from .metrics import metrics_registry
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from .text_stream import TextStream

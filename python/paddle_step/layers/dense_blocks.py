@@ -27,7 +27,7 @@ from paddle import nn
 from paddle.static import InputSpec
 
 if TYPE_CHECKING:
-    from .model import ModelConfig
+    from ..config import ModelConfig
 
 # Multiply-adds of a call (rows x the block's weight elements) from which it runs
 # compiled: the compiled call's fixed cost is repaid from about there, measured per

@@ -1,59 +1,21 @@
-"""Load a Hugging Face checkpoint directory (as ``save_pretrained`` writes it) into a
-``TinyLlama`` and an ``HFTokenizer``.
-
-Reads ``config.json`` (see ``hf_config`` for what is supported), the weights from
-``model.safetensors`` or the shards ``model.safetensors.index.json`` lists (bf16, fp16, fp32
-or fp64 on disk, cast to the requested dtype), ``tokenizer.json`` (+ ``tokenizer_config.json``)
-and the stop ids from ``generation_config.json`` (else ``config.json``). Anything it cannot
-load raises ``CheckpointError``.
-
-    loaded = load_checkpoint("path/to/Llama-3.2-1B", dtype="float32")
-    ids = loaded.tokenizer.encode("Hello")
-"""
+"""Checkpoint weights: safetensors files (one or sharded), read with the ``safetensors``
+package, renamed from Hugging Face's parameter names to the model's and cast."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import safetensors
 
-from .hf_config import CheckpointError, model_config_from_hf
-from .hf_tokenizer import HFTokenizer
-from .model import ModelConfig, TinyLlama
+from ..config import ModelConfig
+from ..errors import CheckpointError
+from .hf_config import read_json
 
-__all__ = ["CheckpointError", "LoadedCheckpoint", "load_checkpoint", "read_safetensors"]
+__all__ = ["load_weights", "read_safetensors"]
 
 # On-disk dtypes (safetensors' names) and how to read them; BF16 separately (no numpy type).
 _NUMPY_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64}
-
-
-@dataclass(frozen=True)
-class LoadedCheckpoint:
-    """What ``load_checkpoint`` returns.
-
-    ``eos_token_ids``: every id that ends a generation (Llama 3 instruct models have several);
-    ``max_model_len``: the context length (``max_position_embeddings``); ``name``: the
-    directory name.
-    """
-
-    model: TinyLlama
-    tokenizer: HFTokenizer
-    eos_token_ids: list[int]
-    max_model_len: int
-    name: str
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise CheckpointError(f"{path.parent}: no {path.name}")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"{path}: not valid JSON: {error}") from None
 
 
 def _bf16_to_float32(raw: bytes | bytearray) -> np.ndarray:
@@ -96,7 +58,7 @@ def _weight_files(path: Path) -> list[Path]:
             f"{path}: no model.safetensors and no model.safetensors.index.json (only "
             "safetensors weights are supported)"
         )
-    weight_map = _read_json(index_file).get("weight_map")
+    weight_map = read_json(index_file).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index_file}: field 'weight_map': expected a non-empty object")
     files = [path / name for name in sorted(set(weight_map.values()))]
@@ -107,7 +69,7 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def _hf_to_model_names(config: ModelConfig) -> dict[str, tuple[str, bool]]:
-    """HF tensor name -> (``TinyLlama`` parameter name, transpose it): Linear weights are
+    """HF tensor name -> (``LlamaForCausalLM`` parameter name, transpose it): Linear weights are
     [out, in] in HF and [in, out] here."""
     names = {
         "model.embed_tokens.weight": ("embed", False),
@@ -154,7 +116,7 @@ def _is_ignored(name: str, config: ModelConfig) -> bool:
     )
 
 
-def _load_weights(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
+def load_weights(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
     names = _hf_to_model_names(config)
     weights: dict[str, np.ndarray] = {}
     unexpected = []
@@ -174,56 +136,3 @@ def _load_weights(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
             f"{' ...' if len(unexpected) > 8 else ''}"
         )
     return weights
-
-
-def _eos_token_ids(path: Path, config: dict[str, Any]) -> list[int]:
-    generation_file = path / "generation_config.json"
-    source = "config.json"
-    value = config.get("eos_token_id")
-    if generation_file.is_file():
-        generation = _read_json(generation_file)
-        if generation.get("eos_token_id") is not None:
-            source, value = "generation_config.json", generation["eos_token_id"]
-    if value is None:
-        return []
-    ids = value if isinstance(value, list) else [value]
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise CheckpointError(
-            f"{source}: field 'eos_token_id': expected an id or a list of ids, got {value!r}"
-        )
-    return list(ids)
-
-
-def load_checkpoint(path: str | Path, dtype: str = "float32") -> LoadedCheckpoint:
-    """Load the checkpoint directory ``path`` with the weights cast to ``dtype``
-    ('float32' or 'float64'). Raises ``CheckpointError`` naming what it cannot load."""
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(
-            f"load_checkpoint: argument 'path': expected a directory, got {str(path)!r}"
-        )
-    hf_config = _read_json(path / "config.json")
-    config = model_config_from_hf(hf_config, dtype)
-    tokenizer = HFTokenizer.from_dir(path)
-    if tokenizer.vocab_size > config.vocab_size:
-        raise CheckpointError(
-            f"{path}: the tokenizer has {tokenizer.vocab_size} ids, expected at most the "
-            f"embedding's {config.vocab_size} rows (config.json vocab_size)"
-        )
-    eos_token_ids = _eos_token_ids(path, hf_config)
-    outside = [i for i in eos_token_ids if i >= config.vocab_size]
-    if outside:
-        raise CheckpointError(
-            f"{path}: eos_token_id {outside}: expected ids below vocab_size ({config.vocab_size})"
-        )
-    try:
-        model = TinyLlama(config, weights=_load_weights(path, config))
-    except ValueError as error:  # a tensor of the wrong shape
-        raise CheckpointError(f"{path}: {error}") from None
-    return LoadedCheckpoint(
-        model=model,
-        tokenizer=tokenizer,
-        eos_token_ids=eos_token_ids,
-        max_model_len=config.max_position_embeddings,
-        name=path.resolve().name,
-    )

@@ -12,15 +12,15 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import paddle
 
-from .model import TinyLlama
-from .sampling import sample_tokens, sampling_key, sampling_uniforms
-from .sequence import FINISH_EOS, FINISH_LENGTH, GenerationResult, GenerationStats
+from ..layers.sampler import sample_tokens, sampling_key, sampling_uniforms
+from ..models.llama import LlamaForCausalLM
+from .outputs import FINISH_EOS, FINISH_LENGTH, GenerationResult, GenerationStats
 
 __all__ = ["generate_naive"]
 
 
 def generate_naive(
-    model: TinyLlama,
+    model: LlamaForCausalLM,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int | Sequence[int],
     *,

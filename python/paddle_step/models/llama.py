@@ -1,11 +1,12 @@
-"""A tiny Llama-style decoder in Paddle ops, runnable with and without a paged KV cache.
+"""Llama-architecture decoder (Llama, Mistral and Qwen2 checkpoints) in Paddle ops,
+runnable with and without a paged KV cache.
 
-The model has random weights drawn from a seeded generator (no checkpoint), which is enough
-to check a serving engine end to end: ``TinyLlama.forward_naive`` recomputes every sequence
-from scratch and is the reference; ``TinyLlama.forward_paged`` runs one flattened step that
-mixes prefill and decode rows, keeps K/V in a ``PagedKVCache`` and reads them back through
-the block tables. The two give the same logits up to float rounding, so greedy decoding with
-either gives the same tokens.
+``LlamaForCausalLM.forward_naive`` recomputes every sequence from scratch and is the
+reference; ``LlamaForCausalLM.forward_paged`` runs one flattened step that mixes prefill and
+decode rows, keeps K/V in a ``PagedKVCache`` and reads them back through the block tables.
+The two give the same logits up to float rounding, so greedy decoding with either gives the
+same tokens. Without a checkpoint the weights are drawn from a seeded generator (the random
+test model).
 
 Typical engine step, from FastDeploy-style slot-indexed state::
 
@@ -19,106 +20,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TypedDict
 
 import numpy as np
 import paddle
 from paddle import nn
 
-from .dense_blocks import AllReduceFn, ModelBlocks, model_blocks
-from .tokenizer import ByteTokenizer
+from ..config import ModelConfig
+from ..layers.dense_blocks import AllReduceFn, ModelBlocks, model_blocks
+from ..layers.paged_attention import (
+    KeptSlots,
+    PagedKVCache,
+    PrefillLayout,
+    slots_through_table,
+)
+
+__all__ = ["DecoderLayer", "LlamaForCausalLM", "RMSNorm"]
 
 # attend(q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> attention output [T, H * D]
 AttendFn = Callable[[paddle.Tensor, paddle.Tensor, paddle.Tensor], paddle.Tensor]
-
-
-@dataclass(frozen=True)
-class Llama3RopeScaling:
-    """Llama 3.x's frequency-dependent rotary scaling (``rope_type: llama3``).
-
-    Wavelengths longer than ``original_max_position_embeddings / low_freq_factor`` are
-    stretched by ``factor``, shorter than ``.. / high_freq_factor`` kept, and the band
-    between interpolated smoothly.
-    """
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-    def __post_init__(self) -> None:
-        if not self.high_freq_factor > self.low_freq_factor > 0 or self.factor <= 0:
-            raise ValueError(
-                "Llama3RopeScaling: expected factor > 0 and high_freq_factor > low_freq_factor "
-                f"> 0, got factor={self.factor}, low_freq_factor={self.low_freq_factor}, "
-                f"high_freq_factor={self.high_freq_factor}"
-            )
-
-    def scale(self, inv_freq: np.ndarray) -> np.ndarray:
-        """The scaled inverse frequencies (float64, same shape as ``inv_freq``)."""
-        context = self.original_max_position_embeddings
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (context / wavelen - self.low_freq_factor) / (
-            self.high_freq_factor - self.low_freq_factor
-        )
-        interpolated = (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
-        long_waves = np.where(
-            wavelen > context / self.low_freq_factor, inv_freq / self.factor, interpolated
-        )
-        return np.where(wavelen < context / self.high_freq_factor, inv_freq, long_waves)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Shape, numerics and seed of a ``TinyLlama``.
-
-    The defaults are the random test model; ``paddle_step.hf_config`` fills the rest from a
-    Hugging Face checkpoint (``explicit_head_dim``, biases, tied embeddings, rope scaling,
-    context length).
-    """
-
-    vocab_size: int = ByteTokenizer().vocab_size
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 128
-    rope_theta: float = 10000.0
-    rms_eps: float = 1e-6
-    dtype: str = "float32"
-    seed: int = 0
-    explicit_head_dim: int | None = None  # None: hidden_size // num_heads
-    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
-    o_proj_bias: bool = False  # a bias on the attention output projection
-    tie_word_embeddings: bool = False  # the lm head is the embedding matrix, transposed
-    rope_scaling: Llama3RopeScaling | None = None
-    max_position_embeddings: int | None = None  # context length; None: unbounded
-
-    def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "float64"):
-            raise ValueError(f"dtype must be 'float32' or 'float64', got {self.dtype!r}")
-        if self.explicit_head_dim is None and self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be a multiple of num_heads "
-                f"({self.num_heads})"
-            )
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-                f"({self.num_kv_heads})"
-            )
-        if self.head_dim <= 0 or self.head_dim % 2:
-            raise ValueError(
-                f"head_dim ({self.head_dim}) must be positive and even for rotary embedding"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        """Width of one attention head."""
-        if self.explicit_head_dim is not None:
-            return self.explicit_head_dim
-        return self.hidden_size // self.num_heads
 
 
 # draw(rng) -> a parameter's seeded random values (drawn in a fixed order, parameter by
@@ -129,224 +48,7 @@ Draw = Callable[[np.random.Generator], np.ndarray]
 ParameterValues = Callable[[str, list[int], Draw], np.ndarray]
 
 
-class KeptSlots:
-    """The entries of ``slots`` [N] (int64) that are >= 0, i.e. that write to the cache."""
-
-    def __init__(self, slots: paddle.Tensor) -> None:
-        kept = paddle.nonzero(slots >= 0).flatten()
-        self.count = kept.shape[0]
-        # The usual step writes every token: then nothing needs gathering.
-        self._index = None if self.count == slots.shape[0] else kept
-        self.slots = self.select(slots)
-
-    def select(self, x: paddle.Tensor) -> paddle.Tensor:
-        """The kept rows of ``x`` [N, ...]."""
-        return x if self._index is None else paddle.gather(x, self._index)
-
-
-class PagedKVCache:
-    """K and V of every layer, stored by slot (``slot = block_id * block_size + offset``).
-
-    ``key`` and ``value`` have shape [num_layers, num_blocks * block_size, num_kv_heads,
-    head_dim]; a sequence's tokens live in whichever blocks its block-table row names.
-    """
-
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: str = "float32",
-    ) -> None:
-        if num_blocks <= 0 or block_size <= 0:
-            raise ValueError(
-                f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}"
-            )
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        shape = [num_layers, num_blocks * block_size, num_kv_heads, head_dim]
-        self.key = paddle.zeros(shape, dtype=dtype)
-        self.value = paddle.zeros(shape, dtype=dtype)
-
-    @classmethod
-    def for_config(cls, config: ModelConfig, num_blocks: int, block_size: int) -> PagedKVCache:
-        """A cache shaped for a model built from ``config``."""
-        return cls(
-            num_blocks,
-            block_size,
-            config.num_layers,
-            config.num_kv_heads,
-            config.head_dim,
-            config.dtype,
-        )
-
-    @property
-    def num_slots(self) -> int:
-        """Token capacity: ``num_blocks * block_size``."""
-        return self.num_blocks * self.block_size
-
-    def write(self, layer: int, slots: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> None:
-        """Store ``k[i]``/``v[i]`` ([N, num_kv_heads, head_dim]) at ``slots[i]`` ([N] int64).
-
-        Entries with slot -1 are skipped (a plain index would wrap to the last slot).
-        """
-        self.write_kept(layer, KeptSlots(slots), k, v)
-
-    def write_kept(self, layer: int, kept: KeptSlots, k: paddle.Tensor, v: paddle.Tensor) -> None:
-        """``write`` with the kept entries found beforehand (once per step, for every layer)."""
-        if kept.count == 0:
-            return
-        layer_index = paddle.full_like(kept.slots, layer)
-        paddle.index_put_(self.key, (layer_index, kept.slots), kept.select(k))
-        paddle.index_put_(self.value, (layer_index, kept.slots), kept.select(v))
-
-    def head_major_rows(self, slots: paddle.Tensor) -> paddle.Tensor:
-        """Row of each (slot, KV head) in one layer's ``[num_slots * num_kv_heads, head_dim]``
-        view: [N, num_kv_heads, K] int64 for ``slots`` [N, K] (all >= 0). Computed once per
-        step for ``gather_head_major``, which every layer calls with it."""
-        heads = self.key.shape[2]
-        head_index = paddle.arange(heads, dtype="int64").reshape([1, heads, 1])
-        return slots.unsqueeze(1) * heads + head_index
-
-    def gather_head_major(
-        self, layer: int, rows: paddle.Tensor
-    ) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """K and V at ``rows`` (from ``head_major_rows``), each [N, num_kv_heads, K, head_dim]:
-        heads before keys, the layout attention multiplies in, so no transpose is needed
-        (paddle's CPU matmul is very slow on transposed, strided views)."""
-        flat = rows.flatten()
-        head_dim = self.key.shape[3]
-        k = paddle.gather(self.key[layer].reshape([-1, head_dim]), flat)
-        v = paddle.gather(self.value[layer].reshape([-1, head_dim]), flat)
-        return k.reshape([*rows.shape, head_dim]), v.reshape([*rows.shape, head_dim])
-
-
-def slots_through_table(
-    tables: paddle.Tensor, positions: paddle.Tensor, block_size: int
-) -> paddle.Tensor:
-    """Slot of each position, looked up in its block-table row.
-
-    ``tables`` [N, M] holds one block-table row per entry of ``positions`` [N, K] (int64).
-    Returns [N, K] int64 ``table[pos // block_size] * block_size + pos % block_size``, or -1
-    where the column is past the table or holds a negative (unallocated) block.
-    """
-    num_cols = tables.shape[1]
-    cols = positions // block_size
-    in_table = cols < num_cols
-    blocks = paddle.take_along_axis(
-        tables, paddle.clip(cols, max=num_cols - 1), axis=1, broadcast=False
-    ).astype("int64")
-    slots = blocks * block_size + positions % block_size
-    return paddle.where(in_table & (blocks >= 0), slots, paddle.full_like(slots, -1))
-
-
-class FlatBatch(TypedDict):
-    """Keyword arguments of ``TinyLlama.forward_paged`` (T tokens, B rows)."""
-
-    input_ids: paddle.Tensor  # [T] int64
-    positions: paddle.Tensor  # [T] int64, position of each token in its sequence
-    slot_mapping: paddle.Tensor  # [T] int64, cache slot each token's K/V goes to (-1: none)
-    token_rows: paddle.Tensor  # [T] int64, block-table row (batch slot) of each token
-    last_token_index: paddle.Tensor  # [B] int64, flat index of each row's last token, -1 if none
-    block_tables: paddle.Tensor  # [B, M] int32
-    max_context_len: int  # longest context (start + tokens) of any row this step
-
-
-def build_flat_batch(
-    input_ids: paddle.Tensor,
-    seq_lens_this_time: paddle.Tensor,
-    seq_lens_decoder: paddle.Tensor,
-    block_tables: paddle.Tensor,
-    block_size: int,
-) -> FlatBatch:
-    """Flatten one step of slot-indexed (FastDeploy-style) state for ``forward_paged``.
-
-    Row ``b`` contributes ``seq_lens_this_time[b]`` tokens ``input_ids[b, :n]`` at positions
-    ``seq_lens_decoder[b] ..``; rows with 0 tokens are skipped. Tokens are ordered by row,
-    then by position. ``seq_lens_*`` may be [B] or [B, 1], any integer dtype.
-
-    Reads the token count back to the host (the flat length is data-dependent) and raises
-    ``ValueError`` if no row has a token.
-    """
-    batch, width = input_ids.shape
-    lens = seq_lens_this_time.reshape([-1]).astype("int64")
-    starts = seq_lens_decoder.reshape([-1]).astype("int64")
-    if lens.shape[0] != batch or starts.shape[0] != batch or block_tables.shape[0] != batch:
-        raise ValueError(
-            "input_ids, seq_lens_this_time, seq_lens_decoder and block_tables must have the "
-            f"same batch size, got {batch}, {lens.shape[0]}, {starts.shape[0]} and "
-            f"{block_tables.shape[0]}"
-        )
-    columns = paddle.arange(width, dtype="int64").unsqueeze(0).expand([batch, width])
-    rows = paddle.arange(batch, dtype="int64").unsqueeze(1).expand([batch, width])
-    is_token = columns < lens.unsqueeze(1)
-
-    token_rows = paddle.masked_select(rows, is_token)
-    if token_rows.shape[0] == 0:
-        raise ValueError("build_flat_batch: no row has tokens this step")
-    positions = paddle.gather(starts, token_rows) + paddle.masked_select(columns, is_token)
-    slot_mapping = slots_through_table(
-        paddle.gather(block_tables, token_rows), positions.unsqueeze(1), block_size
-    ).squeeze(1)
-
-    ends = paddle.cumsum(lens)
-    last_token_index = paddle.where(lens > 0, ends - 1, paddle.full_like(ends, -1))
-    return FlatBatch(
-        input_ids=paddle.masked_select(input_ids.astype("int64"), is_token),
-        positions=positions,
-        slot_mapping=slot_mapping,
-        token_rows=token_rows,
-        last_token_index=last_token_index,
-        block_tables=block_tables,
-        max_context_len=int(paddle.max(paddle.where(lens > 0, starts + lens, lens))),
-    )
-
-
-class PrefillLayout:
-    """Which tokens of a flat step are prefill tokens, and how they pad into a batch.
-
-    A prefill row is a row whose first token this step is at position 0 (a new or
-    recovered sequence): its tokens attend only to each other, so they can use their own
-    fresh K/V, padded into [R, L] (R prefill rows, L the longest), instead of reading every
-    key of the context back from the cache for every token ([T, K] slots). The other
-    (decode) tokens read their keys through the block tables. Built on the host from
-    ``positions`` and ``token_rows``, whose rows must be contiguous and in position order,
-    as ``build_flat_batch`` lays them out.
-    """
-
-    def __init__(self, positions: np.ndarray, token_rows: np.ndarray) -> None:
-        count = positions.shape[0]
-        row_starts = np.flatnonzero(np.r_[True, token_rows[1:] != token_rows[:-1]])
-        row_lengths = np.diff(np.r_[row_starts, count])
-        is_prefill = positions[row_starts] == 0
-        starts, lengths = row_starts[is_prefill], row_lengths[is_prefill]
-        self.num_rows = starts.shape[0]
-        self.width = int(lengths.max()) if self.num_rows else 0
-        columns = np.arange(self.width)
-        real = columns[None, :] < lengths[:, None]  # [R, L]
-        padded = np.where(real, starts[:, None] + columns[None, :], 0)
-        self.prefill_tokens = padded[real]  # flat indices, ascending
-        is_prefill_token = np.zeros(count, dtype=bool)
-        is_prefill_token[self.prefill_tokens] = True
-        self.decode_tokens = np.flatnonzero(~is_prefill_token)
-        # Tensors only for the parts this step has: a pure decode step adds no work.
-        if self.num_rows:
-            self.padded_index = paddle.to_tensor(padded.reshape(-1).astype(np.int64))  # [R*L]
-            self.unpad_index = paddle.to_tensor(np.flatnonzero(real.reshape(-1)).astype(np.int64))
-            # Key j is visible to query i if it is a real token and j <= i; padding queries
-            # see real keys too, so no softmax row is empty (their outputs are dropped).
-            causal = real[:, None, :] & (columns[None, :, None] >= columns[None, None, :])
-            self.causal = paddle.to_tensor(causal[:, None, None])  # [R, 1, 1, L, L]
-        self.is_mixed = bool(self.num_rows and self.decode_tokens.size)
-        if self.is_mixed:
-            # Token order of [prefill outputs, decode outputs].
-            order = np.concatenate([self.prefill_tokens, self.decode_tokens])
-            self.restore_order = paddle.to_tensor(np.argsort(order).astype(np.int64))
-
-
-class RMSNormWeight(nn.Layer):
+class RMSNorm(nn.Layer):
     """The learned scale of an RMSNorm, which ``dense_blocks.rms_norm`` applies inside the
     blocks; a layer of its own so that the parameter is named ``<norm>.weight``."""
 
@@ -417,9 +119,9 @@ class DecoderLayer(nn.Layer):
         def bias(name: str, size: int, present: bool) -> paddle.Tensor | None:
             return parameter(name, [size], _small_normal(size)) if present else None
 
-        def norm(name: str) -> RMSNormWeight:
+        def norm(name: str) -> RMSNorm:
             weight = values(f"{prefix}.{name}.weight", [hidden], _ones(hidden))
-            return RMSNormWeight(weight, config.dtype)
+            return RMSNorm(weight, config.dtype)
 
         self.attn_norm = norm("attn_norm")
         self.wq = linear("wq", hidden, q_width)
@@ -471,7 +173,7 @@ class DecoderLayer(nn.Layer):
         )
 
 
-class TinyLlama(nn.Layer):
+class LlamaForCausalLM(nn.Layer):
     """Llama-style decoder (inference only), with seeded random weights or given ones.
 
     Head ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (grouped-query attention);
@@ -504,11 +206,11 @@ class TinyLlama(nn.Layer):
 
             def values(name: str, shape: list[int], draw: Draw) -> np.ndarray:
                 if name not in weights:
-                    raise ValueError(f"TinyLlama: argument 'weights': no array for {name!r}")
+                    raise ValueError(f"LlamaForCausalLM: argument 'weights': no array for {name!r}")
                 array = np.asarray(weights[name])
                 if list(array.shape) != shape:
                     raise ValueError(
-                        f"TinyLlama: argument 'weights': {name!r}: expected shape {shape}, "
+                        f"LlamaForCausalLM: argument 'weights': {name!r}: expected shape {shape}, "
                         f"got {list(array.shape)}"
                     )
                 return array
@@ -536,7 +238,7 @@ class TinyLlama(nn.Layer):
                 for i in range(config.num_layers)
             ]
         )
-        self.final_norm = RMSNormWeight(
+        self.final_norm = RMSNorm(
             values("final_norm.weight", [hidden], _ones(hidden)), config.dtype
         )
         self.lm_head = (
@@ -548,7 +250,7 @@ class TinyLlama(nn.Layer):
             unused = sorted(set(weights) - {name for name, _ in self.named_parameters()})
             if unused:
                 raise ValueError(
-                    f"TinyLlama: argument 'weights': arrays for no parameter: {unused}"
+                    f"LlamaForCausalLM: argument 'weights': arrays for no parameter: {unused}"
                 )
         half = np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim
         inv_freq = 1.0 / config.rope_theta**half

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .engine_loop import EngineLoop
+from ...engine.core_client import EngineLoop
 
 __all__ = ["metrics_registry"]
 

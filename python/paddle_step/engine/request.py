@@ -1,9 +1,8 @@
-"""Requests and what generating from them yields: results, run statistics and the
-reasons a request finishes. No paddle, no engine: the naive decoder uses these too."""
+"""A request as the engine tracks it, and its stop ids. No paddle."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -11,69 +10,9 @@ import numpy as np
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from .state import EngineConfig
+    from ..config import EngineConfig
 
-__all__ = [
-    "FINISH_ABORT",
-    "FINISH_EOS",
-    "FINISH_LENGTH",
-    "MAX_EOS_IDS",
-    "GenerationResult",
-    "GenerationStats",
-    "Request",
-    "normalize_eos",
-]
-
-FINISH_EOS = "eos"
-FINISH_LENGTH = "length"
-FINISH_ABORT = "abort"
-
-
-@dataclass
-class GenerationResult:
-    """One finished request: its prompt, the tokens generated (an eos token included) and
-    why it stopped: ``"eos"``, ``"length"`` (``max_new_tokens`` or the model length) or
-    ``"abort"`` (``Engine.abort``)."""
-
-    request_id: int
-    prompt_ids: list[int]
-    token_ids: list[int]
-    finish_reason: str
-
-    def to_dict(self) -> dict:
-        """The JSON form: prompt_ids, token_ids and finish_reason."""
-        return {
-            "prompt_ids": self.prompt_ids,
-            "token_ids": self.token_ids,
-            "finish_reason": self.finish_reason,
-        }
-
-
-@dataclass
-class GenerationStats:
-    """Counters of a generation run.
-
-    ``preemptions`` and ``recoveries`` count ``step_paddle``'s evictions of running
-    sequences and their returns; ``peak_blocks_in_use`` is the most KV blocks held at once
-    (prompt blocks plus decoder blocks, measured after each step's scheduling); ``elapsed``
-    is the time spent in steps, in seconds.
-    """
-
-    steps: int = 0
-    generated_tokens: int = 0
-    preemptions: int = 0
-    recoveries: int = 0
-    peak_blocks_in_use: int = 0
-    elapsed: float = 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Generated tokens per second of step time."""
-        return self.generated_tokens / self.elapsed if self.elapsed > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        """All counters plus ``tokens_per_s``."""
-        return {**asdict(self), "tokens_per_s": self.tokens_per_s}
+__all__ = ["MAX_EOS_IDS", "Request", "normalize_eos"]
 
 
 # Room for each slot's stop ids on the device (Llama 3 checkpoints list three).

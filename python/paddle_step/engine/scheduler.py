@@ -9,18 +9,26 @@ class only follows them through the mirrors.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from ..config import EngineConfig
 from .block_allocator import EncoderBlockAllocator
-from .sequence import FINISH_ABORT, FINISH_EOS, FINISH_LENGTH, GenerationResult, Request
-from .state import EngineConfig
+from .outputs import FINISH_ABORT, FINISH_EOS, FINISH_LENGTH, GenerationResult
+from .request import Request
 
 if TYPE_CHECKING:
-    from .model_runner import StepOutcome
+    from .outputs import StepOutcome
 
 __all__ = ["Scheduler"]
+
+
+class AbortedRequest(NamedTuple):
+    """What ``Scheduler.abort`` took out: the slot it ran in (None: it was waiting)."""
+
+    slot: int | None
+    was_preempted: bool
 
 
 class Scheduler:
@@ -91,13 +99,26 @@ class Scheduler:
         slots = np.flatnonzero(self.live & (self.slot_request_ids == request_id))
         return int(slots[0]) if slots.size else None
 
-    def remove_waiting(self, request_id: int) -> bool:
-        """Drops ``request_id`` from the queue; whether it was there."""
+    def abort(self, request_id: int) -> AbortedRequest | None:
+        """Takes ``request_id`` out of the schedule; None if it is not unfinished here.
+
+        A waiting request leaves the queue (``slot`` None). A request in a slot is marked
+        aborted and stops running; it is retired after the next step, when ``step_paddle``
+        has freed its decoder blocks. ``was_preempted``: it sat in ``step_block_list``,
+        which it has now left without being recovered.
+        """
         for request in self.waiting:
             if request.request_id == request_id:
                 self.waiting.remove(request)
-                return True
-        return False
+                return AbortedRequest(slot=None, was_preempted=False)
+        slot = self.slot_of(request_id)
+        if slot is None or self.slot_requests[slot].aborted:
+            return None
+        self.slot_requests[slot].aborted = True
+        was_preempted = bool(self.preempted[slot])
+        self.running[slot] = False
+        self.preempted[slot] = False
+        return AbortedRequest(slot=slot, was_preempted=was_preempted)
 
     def record(self, outcome: StepOutcome) -> None:
         """Takes in a step's results: tokens generated, slot flags, step_idx."""

@@ -7,39 +7,26 @@ host, and clearing retired slots. Nothing here decides which request runs where;
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import paddle
 
-from .model import PagedKVCache, TinyLlama, build_flat_batch
-from .ops import advance_step, step_paddle
-from .sampling import sample_tokens, sampling_uniforms
-from .sequence import MAX_EOS_IDS, Request
-from .state import EngineConfig, ShareInputs
+from ..config import EngineConfig
+from ..layers.paged_attention import PagedKVCache, build_flat_batch
+from ..layers.sampler import sample_tokens, sampling_uniforms
+from ..models.llama import LlamaForCausalLM
+from ..ops import advance_step, step_paddle
+from .outputs import StepOutcome
+from .request import MAX_EOS_IDS, Request
+from .slot_state import ShareInputs
 
-__all__ = ["ModelRunner", "StepOutcome"]
-
-
-@dataclass
-class StepOutcome:
-    """One step's per-slot results on the host ([B] arrays, then counts)."""
-
-    ran: np.ndarray  # bool: the slot ran (had tokens) this step
-    tokens: np.ndarray  # int64: the token it sampled
-    stopped: np.ndarray  # bool: stop_flags after the step
-    preempted: np.ndarray  # bool: is_block_step after the step
-    step_idx: np.ndarray  # int64: tokens generated so far
-    recovered: int  # slots step_paddle recovered this step
-    step_lens: int  # preempted slots waiting for recovery
-    free_list_len: int  # blocks left in the decoder pool
+__all__ = ["ModelRunner"]
 
 
 class ModelRunner:
     """Runs ``model`` over the slot state of ``config``'s batch; the state and the KV cache
     live on Paddle's current device."""
 
-    def __init__(self, model: TinyLlama, config: EngineConfig) -> None:
+    def __init__(self, model: LlamaForCausalLM, config: EngineConfig) -> None:
         self.model = model
         self.config = config
         self.state = ShareInputs(config)

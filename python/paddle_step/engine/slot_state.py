@@ -13,107 +13,15 @@ slots, and all per-slot state sits in fixed tensors ("share inputs") that
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import numpy as np
 import paddle
 
-from .check_state import check_state
-from .sequence import MAX_EOS_IDS
-from .tensor_table import STEP_PADDLE_TENSORS
+from ..config import EngineConfig
+from ..spec.check_state import check_state
+from ..spec.tensor_table import STEP_PADDLE_TENSORS
+from .request import MAX_EOS_IDS
 
-__all__ = ["EngineConfig", "ShareInputs"]
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Batch, length and KV-block budget of an ``Engine``.
-
-    Args:
-        max_batch: number of batch slots B (requests running or preempted at once).
-        max_model_len: longest sequence, prompt plus generated tokens (L, the width of
-            ``input_ids``); a multiple of ``block_size``.
-        block_size: tokens per KV block.
-        num_kv_blocks: KV blocks in the cache, both regions together.
-        decoder_pool_ratio: share of the blocks that form the decoder pool (the rest hold
-            prompts). FastDeploy's ``kv_cache_ratio`` is the complementary share; at the
-            usual 0.5 the two agree.
-        enc_dec_block_num: extra blocks given to each prompt at admission so the first
-            decode tokens need nothing from the pool (FastDeploy's
-            ``enc_dec_block_num``).
-    """
-
-    max_batch: int
-    max_model_len: int
-    block_size: int
-    num_kv_blocks: int
-    decoder_pool_ratio: float = 0.5
-    enc_dec_block_num: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("max_batch", "max_model_len", "block_size", "num_kv_blocks"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"EngineConfig.{name}: expected a positive int, got {value!r}")
-        if not isinstance(self.enc_dec_block_num, int) or self.enc_dec_block_num < 0:
-            raise ValueError(
-                "EngineConfig.enc_dec_block_num: expected an int >= 0, "
-                f"got {self.enc_dec_block_num!r}"
-            )
-        if not 0.0 < self.decoder_pool_ratio < 1.0:
-            raise ValueError(
-                "EngineConfig.decoder_pool_ratio: expected a float in (0, 1), "
-                f"got {self.decoder_pool_ratio!r}"
-            )
-        # step_paddle restores at most max_dec_blocks = L // block_size table columns on
-        # recovery; a sequence in a partial last block would come back one block short.
-        if self.max_model_len % self.block_size:
-            raise ValueError(
-                f"EngineConfig.max_model_len: expected a multiple of block_size "
-                f"({self.block_size}), got {self.max_model_len}"
-            )
-        # With every other sequence preempted, one sequence may need all its decoder
-        # blocks at once; a smaller pool would leave it preempted forever.
-        if self.num_decoder_blocks < self.max_dec_blocks:
-            raise ValueError(
-                f"EngineConfig: the decoder pool holds {self.num_decoder_blocks} blocks "
-                f"(num_kv_blocks={self.num_kv_blocks} x decoder_pool_ratio="
-                f"{self.decoder_pool_ratio}), expected at least max_model_len // block_size "
-                f"= {self.max_dec_blocks} so that one sequence can always be recovered"
-            )
-        if self.num_encoder_blocks < self.encoder_blocks_for(1):
-            raise ValueError(
-                f"EngineConfig: the encoder region holds {self.num_encoder_blocks} blocks, "
-                f"expected at least {self.encoder_blocks_for(1)} (one block plus "
-                f"enc_dec_block_num={self.enc_dec_block_num}) for the shortest prompt"
-            )
-
-    @property
-    def blocks_per_seq(self) -> int:
-        """Columns of ``block_tables`` (M = ceil(L / block_size))."""
-        return math.ceil(self.max_model_len / self.block_size)
-
-    @property
-    def max_dec_blocks(self) -> int:
-        """``step_paddle``'s cap on one sequence's decoder blocks (L // block_size)."""
-        return self.max_model_len // self.block_size
-
-    @property
-    def num_decoder_blocks(self) -> int:
-        """Size of the decoder pool (the top block ids)."""
-        return int(self.num_kv_blocks * self.decoder_pool_ratio)
-
-    @property
-    def num_encoder_blocks(self) -> int:
-        """Blocks below the pool, handed out to prompts by the host."""
-        return self.num_kv_blocks - self.num_decoder_blocks
-
-    def encoder_blocks_for(self, prompt_len: int) -> int:
-        """Blocks a prompt of ``prompt_len`` tokens takes at admission."""
-        return min(
-            math.ceil(prompt_len / self.block_size) + self.enc_dec_block_num, self.blocks_per_seq
-        )
+__all__ = ["ShareInputs"]
 
 
 class ShareInputs:

@@ -1,4 +1,4 @@
-"""Tensor parallelism over ``paddle.distributed``: Megatron-style shards of a ``TinyLlama``,
+"""Tensor parallelism over ``paddle.distributed``: Megatron-style shards of a ``LlamaForCausalLM``,
 the process group they reduce over, and a per-step check that every rank holds the same
 schedule.
 
@@ -24,7 +24,7 @@ Sharding (rank r of N; matrices are [in, out]):
 The collectives are ``paddle.distributed``'s (``all_reduce``, ``all_gather``) after
 ``init_parallel_env()``: gloo on a CPU build, NCCL on a GPU build. fleet's tensor-parallel
 layers are not used: they need fleet's hybrid-parallel setup and shard nn.Linear layers,
-while ``TinyLlama`` holds plain [in, out] parameters; two reductions per layer are all the
+while ``LlamaForCausalLM`` holds plain [in, out] parameters; two reductions per layer are all the
 model needs.
 """
 
@@ -38,8 +38,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 import paddle
 
-from .model import ModelConfig, TinyLlama
-from .tensor_table import STEP_PADDLE_TENSORS
+from ..config import ModelConfig
+from ..models.llama import LlamaForCausalLM
+from ..spec.tensor_table import STEP_PADDLE_TENSORS
 
 __all__ = [
     "RankChecker",
@@ -124,8 +125,8 @@ def shard_config(config: ModelConfig, world_size: int) -> ModelConfig:
 def shard_weights(
     weights: Mapping[str, np.ndarray], config: ModelConfig, rank: int, world_size: int
 ) -> dict[str, np.ndarray]:
-    """Rank ``rank``'s slices of the full ``weights`` (``TinyLlama`` names, [in, out]) of a
-    model of ``config``, for ``TinyLlama(shard_config(config, world_size), ...)``."""
+    """Rank ``rank``'s slices of the full ``weights`` (``LlamaForCausalLM`` names, [in, out]) of a
+    model of ``config``, for ``LlamaForCausalLM(shard_config(config, world_size), ...)``."""
     if not 0 <= rank < world_size:
         raise ValueError(
             f"shard_weights: argument 'rank': expected 0 <= rank < {world_size}, got {rank}"
@@ -161,11 +162,11 @@ def shard_weights(
     return shards
 
 
-def shard_model(model: TinyLlama, group: TensorParallel) -> TinyLlama:
+def shard_model(model: LlamaForCausalLM, group: TensorParallel) -> LlamaForCausalLM:
     """``group.rank``'s shard of ``model``, reducing over ``group``."""
     full = {name: param.numpy() for name, param in model.named_parameters()}
     config = model.config
-    return TinyLlama(
+    return LlamaForCausalLM(
         shard_config(config, group.world_size),
         shard_weights(full, config, group.rank, group.world_size),
         all_reduce=group.all_reduce,

@@ -1,0 +1,1 @@
+"""Tensor parallelism over ``paddle.distributed``."""

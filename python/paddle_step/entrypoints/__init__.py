@@ -1,0 +1,1 @@
+"""Ways in: the OpenAI-compatible server (``openai``)."""

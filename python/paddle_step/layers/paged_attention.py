@@ -1,0 +1,238 @@
+"""The paged KV cache and the flat batch one engine step runs: slot mapping through the
+block tables, the flattened prefill and decode rows, and the prefill layout."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, TypedDict
+
+import numpy as np
+import paddle
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
+
+__all__ = [
+    "FlatBatch",
+    "KeptSlots",
+    "PagedKVCache",
+    "PrefillLayout",
+    "build_flat_batch",
+    "slots_through_table",
+]
+
+
+class KeptSlots:
+    """The entries of ``slots`` [N] (int64) that are >= 0, i.e. that write to the cache."""
+
+    def __init__(self, slots: paddle.Tensor) -> None:
+        kept = paddle.nonzero(slots >= 0).flatten()
+        self.count = kept.shape[0]
+        # The usual step writes every token: then nothing needs gathering.
+        self._index = None if self.count == slots.shape[0] else kept
+        self.slots = self.select(slots)
+
+    def select(self, x: paddle.Tensor) -> paddle.Tensor:
+        """The kept rows of ``x`` [N, ...]."""
+        return x if self._index is None else paddle.gather(x, self._index)
+
+
+class PagedKVCache:
+    """K and V of every layer, stored by slot (``slot = block_id * block_size + offset``).
+
+    ``key`` and ``value`` have shape [num_layers, num_blocks * block_size, num_kv_heads,
+    head_dim]; a sequence's tokens live in whichever blocks its block-table row names.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: str = "float32",
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(
+                f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}"
+            )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = [num_layers, num_blocks * block_size, num_kv_heads, head_dim]
+        self.key = paddle.zeros(shape, dtype=dtype)
+        self.value = paddle.zeros(shape, dtype=dtype)
+
+    @classmethod
+    def for_config(cls, config: ModelConfig, num_blocks: int, block_size: int) -> PagedKVCache:
+        """A cache shaped for a model built from ``config``."""
+        return cls(
+            num_blocks,
+            block_size,
+            config.num_layers,
+            config.num_kv_heads,
+            config.head_dim,
+            config.dtype,
+        )
+
+    @property
+    def num_slots(self) -> int:
+        """Token capacity: ``num_blocks * block_size``."""
+        return self.num_blocks * self.block_size
+
+    def write(self, layer: int, slots: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> None:
+        """Store ``k[i]``/``v[i]`` ([N, num_kv_heads, head_dim]) at ``slots[i]`` ([N] int64).
+
+        Entries with slot -1 are skipped (a plain index would wrap to the last slot).
+        """
+        self.write_kept(layer, KeptSlots(slots), k, v)
+
+    def write_kept(self, layer: int, kept: KeptSlots, k: paddle.Tensor, v: paddle.Tensor) -> None:
+        """``write`` with the kept entries found beforehand (once per step, for every layer)."""
+        if kept.count == 0:
+            return
+        layer_index = paddle.full_like(kept.slots, layer)
+        paddle.index_put_(self.key, (layer_index, kept.slots), kept.select(k))
+        paddle.index_put_(self.value, (layer_index, kept.slots), kept.select(v))
+
+    def head_major_rows(self, slots: paddle.Tensor) -> paddle.Tensor:
+        """Row of each (slot, KV head) in one layer's ``[num_slots * num_kv_heads, head_dim]``
+        view: [N, num_kv_heads, K] int64 for ``slots`` [N, K] (all >= 0). Computed once per
+        step for ``gather_head_major``, which every layer calls with it."""
+        heads = self.key.shape[2]
+        head_index = paddle.arange(heads, dtype="int64").reshape([1, heads, 1])
+        return slots.unsqueeze(1) * heads + head_index
+
+    def gather_head_major(
+        self, layer: int, rows: paddle.Tensor
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """K and V at ``rows`` (from ``head_major_rows``), each [N, num_kv_heads, K, head_dim]:
+        heads before keys, the layout attention multiplies in, so no transpose is needed
+        (paddle's CPU matmul is very slow on transposed, strided views)."""
+        flat = rows.flatten()
+        head_dim = self.key.shape[3]
+        k = paddle.gather(self.key[layer].reshape([-1, head_dim]), flat)
+        v = paddle.gather(self.value[layer].reshape([-1, head_dim]), flat)
+        return k.reshape([*rows.shape, head_dim]), v.reshape([*rows.shape, head_dim])
+
+
+def slots_through_table(
+    tables: paddle.Tensor, positions: paddle.Tensor, block_size: int
+) -> paddle.Tensor:
+    """Slot of each position, looked up in its block-table row.
+
+    ``tables`` [N, M] holds one block-table row per entry of ``positions`` [N, K] (int64).
+    Returns [N, K] int64 ``table[pos // block_size] * block_size + pos % block_size``, or -1
+    where the column is past the table or holds a negative (unallocated) block.
+    """
+    num_cols = tables.shape[1]
+    cols = positions // block_size
+    in_table = cols < num_cols
+    blocks = paddle.take_along_axis(
+        tables, paddle.clip(cols, max=num_cols - 1), axis=1, broadcast=False
+    ).astype("int64")
+    slots = blocks * block_size + positions % block_size
+    return paddle.where(in_table & (blocks >= 0), slots, paddle.full_like(slots, -1))
+
+
+class FlatBatch(TypedDict):
+    """Keyword arguments of ``LlamaForCausalLM.forward_paged`` (T tokens, B rows)."""
+
+    input_ids: paddle.Tensor  # [T] int64
+    positions: paddle.Tensor  # [T] int64, position of each token in its sequence
+    slot_mapping: paddle.Tensor  # [T] int64, cache slot each token's K/V goes to (-1: none)
+    token_rows: paddle.Tensor  # [T] int64, block-table row (batch slot) of each token
+    last_token_index: paddle.Tensor  # [B] int64, flat index of each row's last token, -1 if none
+    block_tables: paddle.Tensor  # [B, M] int32
+    max_context_len: int  # longest context (start + tokens) of any row this step
+
+
+def build_flat_batch(
+    input_ids: paddle.Tensor,
+    seq_lens_this_time: paddle.Tensor,
+    seq_lens_decoder: paddle.Tensor,
+    block_tables: paddle.Tensor,
+    block_size: int,
+) -> FlatBatch:
+    """Flatten one step of slot-indexed (FastDeploy-style) state for ``forward_paged``.
+
+    Row ``b`` contributes ``seq_lens_this_time[b]`` tokens ``input_ids[b, :n]`` at positions
+    ``seq_lens_decoder[b] ..``; rows with 0 tokens are skipped. Tokens are ordered by row,
+    then by position. ``seq_lens_*`` may be [B] or [B, 1], any integer dtype.
+
+    Reads the token count back to the host (the flat length is data-dependent) and raises
+    ``ValueError`` if no row has a token.
+    """
+    batch, width = input_ids.shape
+    lens = seq_lens_this_time.reshape([-1]).astype("int64")
+    starts = seq_lens_decoder.reshape([-1]).astype("int64")
+    if lens.shape[0] != batch or starts.shape[0] != batch or block_tables.shape[0] != batch:
+        raise ValueError(
+            "input_ids, seq_lens_this_time, seq_lens_decoder and block_tables must have the "
+            f"same batch size, got {batch}, {lens.shape[0]}, {starts.shape[0]} and "
+            f"{block_tables.shape[0]}"
+        )
+    columns = paddle.arange(width, dtype="int64").unsqueeze(0).expand([batch, width])
+    rows = paddle.arange(batch, dtype="int64").unsqueeze(1).expand([batch, width])
+    is_token = columns < lens.unsqueeze(1)
+
+    token_rows = paddle.masked_select(rows, is_token)
+    if token_rows.shape[0] == 0:
+        raise ValueError("build_flat_batch: no row has tokens this step")
+    positions = paddle.gather(starts, token_rows) + paddle.masked_select(columns, is_token)
+    slot_mapping = slots_through_table(
+        paddle.gather(block_tables, token_rows), positions.unsqueeze(1), block_size
+    ).squeeze(1)
+
+    ends = paddle.cumsum(lens)
+    last_token_index = paddle.where(lens > 0, ends - 1, paddle.full_like(ends, -1))
+    return FlatBatch(
+        input_ids=paddle.masked_select(input_ids.astype("int64"), is_token),
+        positions=positions,
+        slot_mapping=slot_mapping,
+        token_rows=token_rows,
+        last_token_index=last_token_index,
+        block_tables=block_tables,
+        max_context_len=int(paddle.max(paddle.where(lens > 0, starts + lens, lens))),
+    )
+
+
+class PrefillLayout:
+    """Which tokens of a flat step are prefill tokens, and how they pad into a batch.
+
+    A prefill row is a row whose first token this step is at position 0 (a new or
+    recovered sequence): its tokens attend only to each other, so they can use their own
+    fresh K/V, padded into [R, L] (R prefill rows, L the longest), instead of reading every
+    key of the context back from the cache for every token ([T, K] slots). The other
+    (decode) tokens read their keys through the block tables. Built on the host from
+    ``positions`` and ``token_rows``, whose rows must be contiguous and in position order,
+    as ``build_flat_batch`` lays them out.
+    """
+
+    def __init__(self, positions: np.ndarray, token_rows: np.ndarray) -> None:
+        count = positions.shape[0]
+        row_starts = np.flatnonzero(np.r_[True, token_rows[1:] != token_rows[:-1]])
+        row_lengths = np.diff(np.r_[row_starts, count])
+        is_prefill = positions[row_starts] == 0
+        starts, lengths = row_starts[is_prefill], row_lengths[is_prefill]
+        self.num_rows = starts.shape[0]
+        self.width = int(lengths.max()) if self.num_rows else 0
+        columns = np.arange(self.width)
+        real = columns[None, :] < lengths[:, None]  # [R, L]
+        padded = np.where(real, starts[:, None] + columns[None, :], 0)
+        self.prefill_tokens = padded[real]  # flat indices, ascending
+        is_prefill_token = np.zeros(count, dtype=bool)
+        is_prefill_token[self.prefill_tokens] = True
+        self.decode_tokens = np.flatnonzero(~is_prefill_token)
+        # Tensors only for the parts this step has: a pure decode step adds no work.
+        if self.num_rows:
+            self.padded_index = paddle.to_tensor(padded.reshape(-1).astype(np.int64))  # [R*L]
+            self.unpad_index = paddle.to_tensor(np.flatnonzero(real.reshape(-1)).astype(np.int64))
+            # Key j is visible to query i if it is a real token and j <= i; padding queries
+            # see real keys too, so no softmax row is empty (their outputs are dropped).
+            causal = real[:, None, :] & (columns[None, :, None] >= columns[None, None, :])
+            self.causal = paddle.to_tensor(causal[:, None, None])  # [R, 1, 1, L, L]
+        self.is_mixed = bool(self.num_rows and self.decode_tokens.size)
+        if self.is_mixed:
+            # Token order of [prefill outputs, decode outputs].
+            order = np.concatenate([self.prefill_tokens, self.decode_tokens])
+            self.restore_order = paddle.to_tensor(np.argsort(order).astype(np.int64))

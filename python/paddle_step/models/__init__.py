@@ -1,0 +1,1 @@
+"""Model architectures, one file each, named as Hugging Face's classes."""
