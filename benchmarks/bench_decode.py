@@ -70,6 +70,7 @@ from paddle.base import core  # noqa: E402
 
 import paddle_step.engine.model_runner as runner_module  # noqa: E402
 from paddle_step.config import EngineConfig, ModelConfig  # noqa: E402
+from paddle_step.engine.cpu_threads import default_threads, set_compute_threads  # noqa: E402
 from paddle_step.engine.llm_engine import Engine  # noqa: E402
 from paddle_step.layers.dense_blocks import onednn_available  # noqa: E402
 from paddle_step.model_loader.loader import load_checkpoint  # noqa: E402
@@ -205,6 +206,7 @@ def make_engine(batch: int, seed: int) -> tuple[Engine, list]:
         block_size=BLOCK_SIZE,
         num_kv_blocks=2 * per_region,
         decoder_pool_ratio=0.5,
+        threads=THREADS[0],
     )
     engine = Engine(model, config, seed=seed)
     rng = np.random.default_rng(seed)
@@ -375,6 +377,8 @@ COMPARE_SHAPES = {
     },
 }
 COMPARE_BATCHES = (1, 8, 32)
+# CPU threads of the engine and of PaddleFormers (--threads), set by main().
+THREADS = [None]
 COMPARE_PROMPT_LEN = 32
 COMPARE_NEW_TOKENS = {"issue-512x8": 64, "smollm2-135m": 32}
 # Any tokenizer.json serves: the benchmark feeds token ids, the loader just needs one.
@@ -451,6 +455,7 @@ def run_engine(model, prompts: list, new_tokens: int) -> dict:
         block_size=BLOCK_SIZE,
         num_kv_blocks=2 * batch * (per_seq + 1),
         decoder_pool_ratio=0.5,
+        threads=THREADS[0],
     )
     engine = Engine(model, config)
     probe = StepProbe(engine)
@@ -639,6 +644,7 @@ def environment() -> dict:
             for name in ("OMP_NUM_THREADS", "MKL_DEBUG_CPU_TYPE", "PADDLE_STEP_ONEDNN")
         },
         "engine_onednn_blocks": onednn_available("float32"),
+        "threads": THREADS[0],
     }
 
 
@@ -658,6 +664,12 @@ def parse_args(argv=None):
         help=f"--paddleformers: comma-separated, of {list(COMPARE_SHAPES)}",
     )
     parser.add_argument("--repeats", type=int, default=3, help="--paddleformers: runs per B")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=default_threads(),
+        help="CPU threads for both sides (default: the cores this process may run on)",
+    )
     args = parser.parse_args(argv)
     args.shapes = tuple(args.shapes.split(","))
     unknown = set(args.shapes) - set(COMPARE_SHAPES)
@@ -682,6 +694,9 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     paddle.set_device("cpu")
+    # The engine and PaddleFormers compute on the same number of threads.
+    THREADS[0] = args.threads
+    set_compute_threads(args.threads)
     if args.paddleformers:
         return compare_main(args)
     started = time.time()

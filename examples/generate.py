@@ -38,6 +38,7 @@ from paddle_step.engine.arg_utils import (
     engine_config,
     load_model,
 )
+from paddle_step.engine.cpu_threads import default_threads, set_compute_threads
 from paddle_step.engine.naive import generate_naive
 from paddle_step.engine.outputs import GenerationResult, GenerationStats
 from paddle_step.spec.check_state import StateError
@@ -156,6 +157,7 @@ def run(
 
     with progress_bar(len(prompts), shown=is_rank_zero(loaded)) as update:
         if engine is None:
+            set_compute_threads(config.threads)
             results, stats = generate_naive(
                 loaded.model,
                 prompts,
@@ -203,7 +205,8 @@ def print_report(
     stats: GenerationStats,
 ) -> None:
     mode = "naive full recompute (no KV cache)" if args.naive else "paged KV cache engine"
-    print(f"model {loaded.name}, {args.dtype}, {mode}.\n")
+    threads = args.threads or default_threads(args.tp)
+    print(f"model {loaded.name}, {args.dtype}, {mode}, {threads} CPU threads.\n")
     for index, result in enumerate(results):
         prompt = loaded.tokenizer.decode(result.prompt_ids, skip_special_tokens=True)
         print(f"[{index}] prompt: {prompt!r}")

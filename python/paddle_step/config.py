@@ -117,6 +117,13 @@ class EngineConfig:
         enc_dec_block_num: extra blocks given to each prompt at admission so the first
             decode tokens need nothing from the pool (FastDeploy's
             ``enc_dec_block_num``).
+        threads: CPU threads for the model's math; None: the cores this process may run
+            on, divided among the tensor-parallel ranks.
+
+    Prompts and decoding draw on separate block regions: a prompt is admitted only when
+    the prompt region (``1 - decoder_pool_ratio`` of the blocks) has room for it, so a
+    budget sized for the whole batch at the default 0.5 split may admit only part of a
+    batch of long prompts at once and run it in waves (the engine logs this once).
     """
 
     max_batch: int
@@ -125,12 +132,19 @@ class EngineConfig:
     num_kv_blocks: int
     decoder_pool_ratio: float = 0.5
     enc_dec_block_num: int = 1
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_model_len", "block_size", "num_kv_blocks"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"EngineConfig.{name}: expected a positive int, got {value!r}")
+        if self.threads is not None and (
+            not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 1
+        ):
+            raise ValueError(
+                f"EngineConfig.threads: expected None or an int >= 1, got {self.threads!r}"
+            )
         if not isinstance(self.enc_dec_block_num, int) or self.enc_dec_block_num < 0:
             raise ValueError(
                 "EngineConfig.enc_dec_block_num: expected an int >= 0, "

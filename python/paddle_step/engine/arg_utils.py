@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import EngineConfig
+from .cpu_threads import default_threads
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -80,6 +81,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.5,
         help="share of the KV blocks that form the decoder pool; the rest hold prompts",
     )
+    group.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for the model's math (default: the cores this process may run "
+        "on, divided among the --tp ranks)",
+    )
     group.add_argument("--seed", type=int, default=0, help="sampling (and random weights)")
     group.add_argument(
         "--check-state",
@@ -107,7 +115,7 @@ def check_engine_arguments(parser: argparse.ArgumentParser, args: argparse.Names
         parser.error(f"--decoder-pool-ratio: expected in (0, 1), got {args.decoder_pool_ratio}")
     if args.check_ranks and args.tp == 1:
         parser.error("--check-ranks: expected --tp > 1, got --tp 1")
-    for name in ("max_batch", "block_size", "max_model_len", "kv_blocks", "tp"):
+    for name in ("max_batch", "block_size", "max_model_len", "kv_blocks", "tp", "threads"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             parser.error(f"--{name.replace('_', '-')}: expected > 0, got {value}")
@@ -201,6 +209,7 @@ def engine_config(args: argparse.Namespace, context_len: int) -> EngineConfig:
         block_size=block_size,
         num_kv_blocks=kv_blocks,
         decoder_pool_ratio=ratio,
+        threads=args.threads or default_threads(args.tp),
     )
 
 

@@ -195,7 +195,8 @@ def _run_engine(args: argparse.Namespace, commands, events) -> None:
     info = {"name": loaded.name, "max_model_len": config.max_model_len,
             "vocab_size": loaded.model.config.vocab_size,
             "kv_total_blocks": config.num_decoder_blocks,
-            "kv_encoder_total_blocks": config.num_encoder_blocks}  # fmt: skip
+            "kv_encoder_total_blocks": config.num_encoder_blocks,
+            "threads": engine.threads}  # fmt: skip
     events.send(("ready", (info, _stats(engine))))
     request_ids: dict[int, int] = {}  # parent key -> engine request id
     keys: dict[int, int] = {}  # engine request id -> parent key

@@ -34,6 +34,7 @@ from ..models.llama import LlamaForCausalLM
 from ..spec.check_state import StateError
 from ..tokenizer.byte import ByteTokenizer
 from .block_allocator import EncoderBlockAllocator
+from .cpu_threads import default_threads, set_compute_threads
 from .model_runner import ModelRunner
 from .outputs import GenerationResult, GenerationStats, StepOutcome
 from .request import Request
@@ -78,6 +79,9 @@ class Engine:
             )
         self.model = model
         self.config = config
+        # Every core by default (paddle's import leaves one), shared among TP ranks.
+        self.threads = config.threads or default_threads(paddle.distributed.get_world_size())
+        set_compute_threads(self.threads)
         self.seed = seed
         self.check_state = check_state
         self.after_step = after_step

@@ -8,6 +8,7 @@ class only follows them through the mirrors.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from .outputs import StepOutcome
 
 __all__ = ["Scheduler"]
+
+logger = logging.getLogger(__name__)
 
 
 class AbortedRequest(NamedTuple):
@@ -55,6 +58,26 @@ class Scheduler:
         self.slot_sampling_keys = np.zeros(batch, dtype=np.uint64)
         self.slot_samples = np.zeros(batch, dtype=bool)
         self.generated = np.full((batch, config.max_model_len), -1, dtype=np.int64)
+        self._logged_prompt_region_full = False
+
+    def _note_prompt_region_full(self, request: Request) -> None:
+        """Logs, once per scheduler, that a request waits for prompt blocks while a slot is
+        free: the batch then runs in waves, which a larger prompt region would avoid."""
+        if self._logged_prompt_region_full:
+            return
+        self._logged_prompt_region_full = True
+        config = self.config
+        logger.warning(
+            "a %d-token prompt waits for %d prompt blocks while batch slots are free: the "
+            "prompt region holds %d of the %d KV blocks (decoder_pool_ratio=%s), %d free now; "
+            "more KV blocks or a lower decoder_pool_ratio admit more prompts at once",
+            len(request.prompt_ids),
+            config.encoder_blocks_for(len(request.prompt_ids)),
+            config.num_encoder_blocks,
+            config.num_kv_blocks,
+            config.decoder_pool_ratio,
+            self.encoder_blocks.num_free,
+        )
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting) or bool(self.live.any())
@@ -79,7 +102,9 @@ class Scheduler:
                 self.config.encoder_blocks_for(len(request.prompt_ids))
             )
             if blocks is None:
-                break  # the head of the queue waits for prompt blocks; FIFO keeps order
+                # The head of the queue waits for prompt blocks; FIFO keeps order.
+                self._note_prompt_region_full(request)
+                break
             self.waiting.popleft()
             request.encoder_blocks = blocks
             self.slot_requests[slot] = request

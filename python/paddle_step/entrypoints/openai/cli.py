@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from ...engine.arg_utils import (
     add_engine_arguments,
@@ -53,6 +54,10 @@ def build_app(args: argparse.Namespace):
     except RuntimeError as error:
         raise ValueError(str(error)) from None
     name = args.served_model_name or loop.info["name"]
+    print(
+        f"paddle_step.serve: model {name}, {loop.info['threads']} CPU threads per engine",
+        file=sys.stderr,
+    )
     return create_app(loop, tokenizer, name), loop
 
 

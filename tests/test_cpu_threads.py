@@ -1,0 +1,62 @@
+"""The engine computes on every core it may run on unless told otherwise, and says when
+the prompt region, not the batch slots, limits admission."""
+
+import logging
+import os
+
+import pytest
+
+from paddle_step.config import EngineConfig, ModelConfig
+from paddle_step.engine.arg_utils import add_engine_arguments, engine_config
+from paddle_step.engine.cpu_threads import available_cores, default_threads
+from paddle_step.engine.llm_engine import Engine
+from paddle_step.models.llama import LlamaForCausalLM
+
+BASE = dict(max_batch=2, max_model_len=16, block_size=4, num_kv_blocks=16)
+
+
+@pytest.mark.parametrize("threads", [0, -1, True, 1.5])
+def test_config_rejects_bad_thread_counts(threads) -> None:
+    with pytest.raises(ValueError, match=f"EngineConfig.threads: .* got {threads!r}"):
+        EngineConfig(**BASE, threads=threads)
+
+
+def test_default_threads_split_the_affinity_mask_among_ranks() -> None:
+    cores = len(os.sched_getaffinity(0))
+    assert available_cores() == cores
+    assert default_threads() == cores
+    assert default_threads(2) == max(1, cores // 2)
+    assert default_threads(cores * 4) == 1
+    with pytest.raises(ValueError, match="world_size': expected >= 1, got 0"):
+        default_threads(0)
+
+
+def test_engine_uses_every_core_unless_told() -> None:
+    model = LlamaForCausalLM(ModelConfig())
+    assert Engine(model, EngineConfig(**BASE)).threads == len(os.sched_getaffinity(0))
+    assert Engine(model, EngineConfig(**BASE, threads=1)).threads == 1
+
+
+def test_threads_flag_reaches_the_engine_config() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    flagged = parser.parse_args(["--model", "random", "--threads", "3"])
+    assert engine_config(flagged, 64).threads == 3
+    default = parser.parse_args(["--model", "random", "--tp", "2"])
+    assert engine_config(default, 64).threads == default_threads(2)
+
+
+def test_waiting_for_prompt_blocks_with_free_slots_is_logged_once(caplog) -> None:
+    # 4 slots, a prompt region of 6 blocks: two 5-token prompts (3 blocks each with the
+    # extra decode block) fill it, the third waits although two slots are free.
+    config = EngineConfig(max_batch=4, max_model_len=16, block_size=4, num_kv_blocks=12)
+    engine = Engine(LlamaForCausalLM(ModelConfig()), config)
+    with caplog.at_level(logging.WARNING, logger="paddle_step.engine.scheduler"):
+        engine.generate([[1] * 5] * 4, 2, eos_token_id=[])
+    waits = [r for r in caplog.records if "waits for" in r.getMessage()]
+    assert len(waits) == 1
+    assert "5-token prompt waits for 3 prompt blocks" in waits[0].getMessage()
+    assert "0 free now" in waits[0].getMessage()
+    assert "prompt region holds 6 of the 12 KV blocks" in waits[0].getMessage()
