@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Where a decode step's time goes in the example engine (``paddle_step.engine.Engine``).
+"""Where a decode step's time goes in the example engine (``paddle_step.engine.llm_engine.Engine``).
 
 For each batch size B the engine runs a small ``LlamaForCausalLM`` (the default ModelConfig:
 hidden 64, 2 layers, byte vocabulary, random weights) on B slots kept full of greedy
@@ -638,7 +638,7 @@ def environment() -> dict:
         "note": "shared machine, other jobs running; wall time per phase",
         # All change the CPU matmul kernels' speed a lot (MKL_DEBUG_CPU_TYPE=5 makes MKL
         # take its AVX2 path on AMD CPUs; PADDLE_STEP_ONEDNN=0 keeps the engine's dense
-        # blocks on eager MKL, see paddle_step.dense_blocks).
+        # blocks on eager MKL, see paddle_step.layers.dense_blocks).
         "blas_env": {
             name: os.environ.get(name)
             for name in ("OMP_NUM_THREADS", "MKL_DEBUG_CPU_TYPE", "PADDLE_STEP_ONEDNN")

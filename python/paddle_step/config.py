@@ -53,9 +53,9 @@ class Llama3RopeScaling:
 class ModelConfig:
     """Shape, numerics and seed of a ``LlamaForCausalLM``.
 
-    The defaults are the random test model; ``paddle_step.hf_config`` fills the rest from a
-    Hugging Face checkpoint (``explicit_head_dim``, biases, tied embeddings, rope scaling,
-    context length).
+    The defaults are the random test model; ``paddle_step.model_loader.hf_config`` fills the
+    rest from a Hugging Face checkpoint (``explicit_head_dim``, biases, tied embeddings, rope
+    scaling, context length).
     """
 
     vocab_size: int = ByteTokenizer().vocab_size

@@ -6,7 +6,7 @@ in the package), or ``random`` for a random-weight ``LlamaForCausalLM`` with the
 ``--max-model-len`` defaults to the model's context; when the KV budget cannot hold one
 sequence that long, it is reduced to what fits and a line on stderr says so.
 ``--tp N`` shards the model over the N processes of ``paddle.distributed.launch`` (see
-``paddle_step.tensor_parallel``); each builds the same engine.
+``paddle_step.distributed.tensor_parallel``); each builds the same engine.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Engine configuration and the slot-indexed device state the two ops work on.
+"""The slot-indexed device state the two ops work on (``ShareInputs``); its sizes come
+from ``paddle_step.config.EngineConfig``.
 
 The layout follows FastDeploy's model runner: every request lives in one of ``max_batch``
 slots, and all per-slot state sits in fixed tensors ("share inputs") that

@@ -84,7 +84,7 @@ def rotate_half(x: paddle.Tensor) -> paddle.Tensor:
 
 
 # all_reduce(partial) -> the sum of ``partial`` over the tensor-parallel ranks (every rank
-# gets the same tensor); see ``paddle_step.tensor_parallel``.
+# gets the same tensor); see ``paddle_step.distributed.tensor_parallel``.
 AllReduceFn = Callable[[paddle.Tensor], paddle.Tensor]
 
 

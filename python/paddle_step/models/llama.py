@@ -84,7 +84,7 @@ class DecoderLayer(nn.Layer):
 
     How attention finds its keys is left to the caller (``attend``), which is the only thing
     that differs between the naive and the paged forward. Matrices are [in, out] (x @ W).
-    The dense parts around attention are ``blocks`` (``paddle_step.dense_blocks``), shared
+    The dense parts around attention are ``blocks`` (``paddle_step.layers.dense_blocks``), shared
     by the model's layers.
 
     For one tensor-parallel rank's shard (``blocks`` made with an ``all_reduce``), ``wo``
@@ -184,8 +184,9 @@ class LlamaForCausalLM(nn.Layer):
     ``config.seed``.
 
     ``all_reduce``: for one tensor-parallel rank's shard (``config`` with this rank's head
-    counts and intermediate size, ``weights`` its slices, see ``paddle_step.tensor_parallel``):
-    sums the row-parallel products over the ranks.
+    counts and intermediate size, ``weights`` its slices, see
+    ``paddle_step.distributed.tensor_parallel``): sums the row-parallel products over the
+    ranks.
     """
 
     def __init__(

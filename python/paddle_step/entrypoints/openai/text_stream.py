@@ -1,8 +1,9 @@
 """Turns a request's token stream into text deltas, honouring ``stop`` strings.
 
-The detokenizer (``hf_tokenizer.IncrementalDetokenizer``) already holds back a character
-cut in the middle; on top of it, a tail that could still become a stop string waits until
-it cannot, and when a stop string appears the text ends just before it.
+The detokenizer (``paddle_step.tokenizer.detokenizer.IncrementalDetokenizer``) already
+holds back a character cut in the middle; on top of it, a tail that could still become a
+stop string waits until it cannot, and when a stop string appears the text ends just
+before it.
 """
 
 from __future__ import annotations
