@@ -97,7 +97,9 @@ setup(
     name=LIBRARY_NAME,
     version="0.1.0",
     ext_modules=make_extension(),
-    packages=find_packages("python"),
+    # paddle_step.layers may have no __init__.py yet (a namespace package), which
+    # find_packages skips.
+    packages=sorted(set(find_packages("python")) | {"paddle_step.layers"}),
     package_dir={"": "python"},
     # The shipped default model (weights, tokenizer, configs) travels with the package.
     package_data={"paddle_step": ["assets/*/*.json", "assets/*/*.safetensors", "assets/*.md"]},

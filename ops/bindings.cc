@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_linear_ops.h"
 #include "paddle/utils/pybind.h"
 #include "paddle_step_ops.h"
 
@@ -17,6 +18,12 @@ namespace {
 // (dtype name, shape) per argument, as the Python wrapper describes its
 // static-mode variables, in the op's input order.
 using Described = std::vector<std::pair<std::string, std::vector<int64_t>>>;
+
+// None or a tensor, as paddle::optional (see advance_step's `active`).
+paddle::optional<paddle::Tensor> OptionalTensor(const pybind11::object& value) {
+  if (value.is_none()) return paddle::none;
+  return value.cast<paddle::Tensor>();
+}
 
 std::vector<paddle_step::TensorView> ToViews(const Described& described) {
   std::vector<paddle_step::TensorView> views;
@@ -72,4 +79,28 @@ PYBIND11_MODULE(paddle_step_ops, module) {
                }
                paddle_step::CheckStepPaddleViews(views.data(), block_size);
              });
+  module.def(
+      "cpu_linear",
+      [](const paddle::Tensor& x, const paddle::Tensor& weights,
+         const pybind11::object& scales, const pybind11::object& bias,
+         int64_t n, int64_t group_size) {
+        return paddle_step::CpuLinear(x, weights, OptionalTensor(scales),
+                                      OptionalTensor(bias), n, group_size);
+      },
+      pybind11::arg("x"), pybind11::arg("weights"), pybind11::arg("scales"),
+      pybind11::arg("bias"), pybind11::arg("n"), pybind11::arg("group_size"));
+  module.def("cpu_linear_pack_float32", &paddle_step::CpuLinearPackFloat32,
+             pybind11::arg("w"));
+  module.def("cpu_linear_pack_bfloat16", &paddle_step::CpuLinearPackBFloat16,
+             pybind11::arg("w"));
+  module.def("cpu_linear_pack_int8", &paddle_step::CpuLinearPackInt8,
+             pybind11::arg("w"), pybind11::arg("group_size"));
+  module.def("cpu_linear_set_num_threads",
+             &paddle_step::CpuLinearSetNumThreads, pybind11::arg("threads"));
+  module.def("cpu_linear_num_threads", &paddle_step::CpuLinearNumThreads);
+  module.def("cpu_linear_set_isa", &paddle_step::CpuLinearSetIsa,
+             pybind11::arg("name"));
+  module.def("cpu_linear_isa", &paddle_step::CpuLinearIsa);
+  module.def("cpu_linear_best_isa", &paddle_step::CpuLinearBestIsa);
+  module.def("cpu_read_sum", &paddle_step::CpuReadSum, pybind11::arg("data"));
 }

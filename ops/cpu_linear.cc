@@ -1,0 +1,308 @@
+// cpu_linear: validation, packing, the thread pool and instruction-set state of
+// the CPU decode-row product. The kernels are ops/include/cpu_linear_kernel.h;
+// Python reaches these through the pybind11 fast path (bindings.cc).
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
+#ifdef __linux__
+#include <sched.h>
+#endif
+
+#include "cpu_isa.h"
+#include "cpu_linear_kernel.h"
+#include "cpu_linear_ops.h"
+#include "cpu_read_sum.h"
+#include "cpu_thread_pool.h"
+#include "input_checks.h"
+
+namespace paddle_step {
+namespace {
+
+constexpr InputChecker kCheck("cpu_linear");
+constexpr const char* kIsaVariable = "PADDLE_STEP_CPU_ISA";
+
+// The cores this process may run on.
+int AvailableCores() {
+#ifdef __linux__
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+#endif
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+cpu::Isa ParseIsa(const char* argument, const std::string& name,
+                  cpu::Isa best) {
+  if (name == "auto") return best;
+  cpu::Isa isa;
+  if (!cpu::IsaFromName(name, &isa)) {
+    kCheck.Fail(argument, "one of auto, scalar, avx2, avx512, avx512_bf16",
+                "'" + name + "'");
+  }
+  if (isa > best) {
+    kCheck.Fail(argument,
+                std::string("a path this CPU supports (up to ") +
+                    cpu::IsaName(best) + ")",
+                "'" + name + "'");
+  }
+  return isa;
+}
+
+// Process-wide settings of the products: their path and their pool. A bad
+// PADDLE_STEP_CPU_ISA is reported by every product until set_isa replaces it.
+struct CpuLinearState {
+  cpu::Isa best = cpu::DetectIsa();
+  cpu::Isa isa = best;
+  std::string isa_error;
+  cpu::ThreadPool pool;
+
+  CpuLinearState() {
+    pool.Resize(AvailableCores());
+    const char* forced = std::getenv(kIsaVariable);
+    if (forced == nullptr || *forced == '\0') return;
+    try {
+      isa = ParseIsa(kIsaVariable, forced, best);
+    } catch (const std::invalid_argument& error) {
+      isa_error = error.what();
+    }
+  }
+};
+
+CpuLinearState& State() {
+  static CpuLinearState state;
+  return state;
+}
+
+// A plain row-major array: what the kernels index. Strides are checked where
+// the tensor has them (a strided view); a tensor without them is dense.
+void CheckDenseCpu(const char* name, const paddle::Tensor& tensor) {
+  if (!tensor.is_cpu()) {
+    kCheck.Fail(name, "a CPU tensor", "a tensor on " + PlaceString(tensor));
+  }
+  const auto& dims = tensor.dims();
+  const auto& strides = tensor.strides();
+  if (strides.size() != dims.size()) return;
+  int64_t expected = 1;
+  for (int i = dims.size() - 1; i >= 0; --i) {
+    if (dims[i] != 1 && strides[i] != expected) {
+      kCheck.Fail(name, "a contiguous tensor",
+                  "strides " + ShapeString(strides.Get(), strides.size()) +
+                      " for shape " + ShapeString(dims.Get(), dims.size()));
+    }
+    expected *= dims[i];
+  }
+}
+
+// The distance between the rows of a CPU matrix whose rows are contiguous (a
+// column slice of a wider one is fine: no copy).
+int64_t RowStride(const char* name, const paddle::Tensor& matrix) {
+  if (!matrix.is_cpu()) {
+    kCheck.Fail(name, "a CPU tensor", "a tensor on " + PlaceString(matrix));
+  }
+  const auto& dims = matrix.dims();
+  const auto& strides = matrix.strides();
+  if (strides.size() != dims.size()) return dims[1];
+  const bool rows_contiguous = dims[1] == 1 || strides[1] == 1;
+  const bool rows_apart = dims[0] == 1 || strides[0] >= dims[1];
+  if (!rows_contiguous || !rows_apart) {
+    kCheck.Fail(name, "a matrix whose rows are contiguous",
+                "strides " + ShapeString(strides.Get(), strides.size()) +
+                    " for shape " + ShapeString(dims.Get(), dims.size()));
+  }
+  return dims[0] == 1 ? dims[1] : strides[0];
+}
+
+void CheckMatrix(const char* name, const paddle::Tensor& w,
+                 std::initializer_list<paddle::DataType> dtypes) {
+  const TensorView view = ViewOf(w);
+  kCheck.Dtype(name, view, dtypes);
+  kCheck.Shape(name, view, {-1, -1});
+  CheckDenseCpu(name, w);
+  if (view.dims[0] < 1 || view.dims[1] < 1) {
+    kCheck.Fail(name, "a matrix [K, N] with K, N >= 1",
+                "shape " + ShapeString(view.dims, view.rank));
+  }
+}
+
+cpu::WeightFormat FormatOf(const paddle::Tensor& weights) {
+  const TensorView view = ViewOf(weights);
+  kCheck.Dtype("weights", view,
+               {paddle::DataType::FLOAT32, paddle::DataType::BFLOAT16,
+                paddle::DataType::INT8});
+  switch (view.dtype) {
+    case paddle::DataType::BFLOAT16:
+      return cpu::WeightFormat::kBFloat16;
+    case paddle::DataType::INT8:
+      return cpu::WeightFormat::kInt8;
+    default:
+      return cpu::WeightFormat::kFloat32;
+  }
+}
+
+// Panel ranges, one per task: contiguous, as even as whole panels allow.
+int64_t TaskBoundary(int64_t panels, int tasks, int task) {
+  return panels * task / tasks;
+}
+
+}  // namespace
+
+paddle::Tensor CpuLinearPackFloat32(const paddle::Tensor& w) {
+  CheckMatrix("w", w, {paddle::DataType::FLOAT32});
+  const int64_t k = w.dims()[0];
+  const int64_t n = w.dims()[1];
+  auto packed = paddle::empty({cpu::PanelCount(n), k, cpu::kPanelWidth},
+                              paddle::DataType::FLOAT32, paddle::CPUPlace());
+  cpu::PackFloat32(w.data<float>(), k, n, packed.data<float>());
+  return packed;
+}
+
+paddle::Tensor CpuLinearPackBFloat16(const paddle::Tensor& w) {
+  CheckMatrix("w", w, {paddle::DataType::FLOAT32, paddle::DataType::BFLOAT16});
+  const int64_t k = w.dims()[0];
+  const int64_t n = w.dims()[1];
+  auto packed = paddle::empty(
+      {cpu::PanelCount(n), cpu::PanelRows(cpu::WeightFormat::kBFloat16, k),
+       cpu::kPanelWidth, 2},
+      paddle::DataType::BFLOAT16, paddle::CPUPlace());
+  auto* out = reinterpret_cast<uint16_t*>(packed.data<phi::dtype::bfloat16>());
+  if (w.dtype() == paddle::DataType::FLOAT32) {
+    cpu::PackBFloat16(w.data<float>(), k, n, out);
+  } else {
+    cpu::PackBFloat16(
+        reinterpret_cast<const uint16_t*>(w.data<phi::dtype::bfloat16>()), k, n,
+        out);
+  }
+  return packed;
+}
+
+std::vector<paddle::Tensor> CpuLinearPackInt8(const paddle::Tensor& w,
+                                              int64_t group_size) {
+  CheckMatrix("w", w, {paddle::DataType::FLOAT32});
+  kCheck.Positive("group_size", group_size);
+  const int64_t k = w.dims()[0];
+  const int64_t n = w.dims()[1];
+  const int64_t panels = cpu::PanelCount(n);
+  auto packed = paddle::empty({panels, k, cpu::kPanelWidth},
+                              paddle::DataType::INT8, paddle::CPUPlace());
+  auto scales =
+      paddle::empty({panels, cpu::GroupCount(k, group_size), cpu::kPanelWidth},
+                    paddle::DataType::FLOAT32, paddle::CPUPlace());
+  cpu::PackInt8(w.data<float>(), k, n, group_size, packed.data<int8_t>(),
+                scales.data<float>());
+  return {packed, scales};
+}
+
+paddle::Tensor CpuLinear(const paddle::Tensor& x, const paddle::Tensor& weights,
+                         const paddle::optional<paddle::Tensor>& scales,
+                         const paddle::optional<paddle::Tensor>& bias,
+                         int64_t n, int64_t group_size) {
+  CpuLinearState& state = State();
+  if (!state.isa_error.empty()) throw std::invalid_argument(state.isa_error);
+  const TensorView x_view = ViewOf(x);
+  kCheck.Dtype("x", x_view, {paddle::DataType::FLOAT32});
+  kCheck.Shape("x", x_view, {-1, -1});
+  const int64_t m = x_view.dims[0];
+  const int64_t k = x_view.dims[1];
+  const int64_t x_stride = RowStride("x", x);
+  if (k < 1) kCheck.Fail("x", "shape [M, K] with K >= 1", "shape " + ShapeString({m, k}));
+  kCheck.Positive("n", n);
+
+  const cpu::WeightFormat format = FormatOf(weights);
+  const int64_t panels = cpu::PanelCount(n);
+  const int64_t panel_rows = cpu::PanelRows(format, k);
+  if (format == cpu::WeightFormat::kBFloat16) {
+    kCheck.Shape("weights", ViewOf(weights),
+                 {panels, panel_rows, cpu::kPanelWidth, 2});
+  } else {
+    kCheck.Shape("weights", ViewOf(weights),
+                 {panels, panel_rows, cpu::kPanelWidth});
+  }
+  CheckDenseCpu("weights", weights);
+
+  cpu::LinearProblem problem;
+  if (format == cpu::WeightFormat::kInt8) {
+    if (!scales) {
+      kCheck.Fail("scales", "the float32 scales of the int8 weights", "none");
+    }
+    kCheck.Positive("group_size", group_size);
+    const TensorView scales_view = ViewOf(*scales);
+    kCheck.Dtype("scales", scales_view, {paddle::DataType::FLOAT32});
+    kCheck.Shape("scales", scales_view,
+                 {panels, cpu::GroupCount(k, group_size), cpu::kPanelWidth});
+    CheckDenseCpu("scales", *scales);
+    problem.w.scales = scales->data<float>();
+    problem.w.group_size = group_size;
+  } else if (scales) {
+    kCheck.Fail("scales", std::string("none for ") +
+                              cpu::WeightFormatName(format) + " weights",
+                "a tensor");
+  }
+  if (bias) {
+    const TensorView bias_view = ViewOf(*bias);
+    kCheck.Dtype("bias", bias_view, {paddle::DataType::FLOAT32});
+    kCheck.Shape("bias", bias_view, {n});
+    CheckDenseCpu("bias", *bias);
+    problem.bias = bias->data<float>();
+  }
+
+  auto y = paddle::empty({m, n}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  if (m == 0) return y;
+  problem.x = x.data<float>();
+  problem.m = m;
+  problem.x_stride = x_stride;
+  problem.w.format = format;
+  problem.w.k = k;
+  problem.w.n = n;
+  problem.w.data = weights.data();
+  problem.y = y.data<float>();
+  problem.y_stride = n;
+
+  const cpu::Isa isa = state.isa;
+  const int tasks =
+      static_cast<int>(std::min<int64_t>(state.pool.size(), panels));
+  state.pool.Run(tasks, [&](int task) {
+    cpu::LinearPanels(isa, problem, TaskBoundary(panels, tasks, task),
+                      TaskBoundary(panels, tasks, task + 1));
+  });
+  return y;
+}
+
+void CpuLinearSetNumThreads(int64_t threads) {
+  kCheck.Positive("threads", threads);
+  State().pool.Resize(static_cast<int>(threads));
+}
+
+int64_t CpuLinearNumThreads() { return State().pool.size(); }
+
+void CpuLinearSetIsa(const std::string& name) {
+  CpuLinearState& state = State();
+  state.isa = ParseIsa("isa", name, state.best);
+  state.isa_error.clear();
+}
+
+std::string CpuLinearIsa() { return cpu::IsaName(State().isa); }
+
+std::string CpuLinearBestIsa() { return cpu::IsaName(State().best); }
+
+double CpuReadSum(const paddle::Tensor& data) {
+  CpuLinearState& state = State();
+  const TensorView view = ViewOf(data);
+  kCheck.Dtype("data", view, {paddle::DataType::FLOAT32});
+  CheckDenseCpu("data", data);
+  const float* values = data.data<float>();
+  const int64_t count = data.numel();
+  // Chunks of whole cache lines, one per thread.
+  const int tasks = state.pool.size();
+  std::vector<double> sums(tasks, 0.0);
+  state.pool.Run(tasks, [&](int task) {
+    const int64_t begin = count * task / tasks / 16 * 16;
+    const int64_t end = task + 1 == tasks ? count : count * (task + 1) / tasks / 16 * 16;
+    sums[task] = cpu::ReadSum(state.isa, values + begin, end - begin);
+  });
+  double total = 0.0;
+  for (double sum : sums) total += sum;
+  return total;
+}
+
+}  // namespace paddle_step

@@ -1,0 +1,597 @@
+// y = x @ W (+ bias) on the CPU for few rows (decode steps): x float32 [M, K],
+// W [K, N] packed once (PackFloat32, PackBFloat16, PackInt8) into the layout
+// the kernels stream, y float32 [M, N]. Framework-free: raw pointers only.
+//
+// Packed layout. The columns of W are cut into panels of kPanelWidth (32)
+// columns; the last one is padded with zero columns, so any N works. Panels
+// lie one after another; inside a panel the K rows of its 32 weights are
+// consecutive, so a thread that owns a range of panels reads one contiguous
+// stretch of memory, front to back, once per block of rows of x:
+//   float32:  float    [panels][K][32]          w[k][p*32 + c]
+//   bfloat16: uint16   [panels][ceil(K/2)][32][2]
+//             the two rows k = 2s, 2s+1 of a column side by side (the pair
+//             vdpbf16ps multiplies; widening splits a pair with a shift and a
+//             mask); an odd K is padded with a zero row
+//   int8:     int8     [panels][K][32], symmetric, with float scales
+//             [panels][ceil(K/G)][32]: w[k][c] = q[k][c] * scale[k/G][c] for a
+//             group size G along K (G = K: one scale per output column)
+// The layout does not depend on the instruction set: weights packed once run
+// on every path.
+//
+// Every path multiplies the same float32 values of x and of the (widened or
+// dequantized) weights and accumulates in float32 in order of k; paths differ
+// only in the rounding of that order (an FMA rounds once, the scalar path
+// may round twice).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "cpu_isa.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define PADDLE_STEP_CPU_X86 1
+#include <immintrin.h>
+#endif
+
+namespace paddle_step::cpu {
+
+constexpr int64_t kPanelWidth = 32;
+
+enum class WeightFormat { kFloat32, kBFloat16, kInt8 };
+
+inline const char* WeightFormatName(WeightFormat format) {
+  switch (format) {
+    case WeightFormat::kFloat32:
+      return "float32";
+    case WeightFormat::kBFloat16:
+      return "bfloat16";
+    case WeightFormat::kInt8:
+      return "int8";
+  }
+  return "unknown";
+}
+
+inline int64_t PanelCount(int64_t n) {
+  return (n + kPanelWidth - 1) / kPanelWidth;
+}
+
+// Rows of K a panel stores (bfloat16: pairs of rows).
+inline int64_t PanelRows(WeightFormat format, int64_t k) {
+  return format == WeightFormat::kBFloat16 ? (k + 1) / 2 : k;
+}
+
+// Elements (of the format's storage type) in one panel.
+inline int64_t PanelElements(WeightFormat format, int64_t k) {
+  const int64_t per_row =
+      format == WeightFormat::kBFloat16 ? 2 * kPanelWidth : kPanelWidth;
+  return PanelRows(format, k) * per_row;
+}
+
+inline int64_t GroupCount(int64_t k, int64_t group_size) {
+  return (k + group_size - 1) / group_size;
+}
+
+// ---------------------------------------------------------------- packing
+
+// Round to nearest even, as torch and numpy-based converters do; NaN stays NaN.
+inline uint16_t BFloat16FromFloat(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  if (std::isnan(value)) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline float FloatFromBFloat16(uint16_t value) {
+  const uint32_t bits = static_cast<uint32_t>(value) << 16;
+  float result;
+  std::memcpy(&result, &bits, sizeof(result));
+  return result;
+}
+
+// w: float32 [k, n] row-major. packed: PanelCount(n) * PanelElements(kFloat32, k).
+inline void PackFloat32(const float* w, int64_t k, int64_t n, float* packed) {
+  for (int64_t p = 0; p < PanelCount(n); ++p) {
+    const int64_t first = p * kPanelWidth;
+    const int64_t width = std::min(kPanelWidth, n - first);
+    float* panel = packed + p * PanelElements(WeightFormat::kFloat32, k);
+    for (int64_t row = 0; row < k; ++row) {
+      float* out = panel + row * kPanelWidth;
+      std::memcpy(out, w + row * n + first, width * sizeof(float));
+      std::fill(out + width, out + kPanelWidth, 0.0f);
+    }
+  }
+}
+
+// w: [k, n] row-major, float32 (rounded to bfloat16) or bfloat16 bits
+// (copied). packed: PanelCount(n) * PanelElements(kBFloat16, k) uint16.
+template <typename Source>
+inline void PackBFloat16(const Source* w, int64_t k, int64_t n,
+                         uint16_t* packed) {
+  static_assert(std::is_same_v<Source, float> ||
+                std::is_same_v<Source, uint16_t>);
+  const int64_t pairs = PanelRows(WeightFormat::kBFloat16, k);
+  for (int64_t p = 0; p < PanelCount(n); ++p) {
+    const int64_t first = p * kPanelWidth;
+    const int64_t width = std::min(kPanelWidth, n - first);
+    uint16_t* panel = packed + p * PanelElements(WeightFormat::kBFloat16, k);
+    std::fill(panel, panel + pairs * 2 * kPanelWidth, uint16_t{0});
+    for (int64_t row = 0; row < k; ++row) {
+      uint16_t* out = panel + (row / 2) * 2 * kPanelWidth + row % 2;
+      const Source* in = w + row * n + first;
+      for (int64_t c = 0; c < width; ++c) {
+        if constexpr (std::is_same_v<Source, float>) {
+          out[2 * c] = BFloat16FromFloat(in[c]);
+        } else {
+          out[2 * c] = in[c];
+        }
+      }
+    }
+  }
+}
+
+// w: float32 [k, n] row-major, quantized per column and group of group_size
+// rows: scale = max|w| / 127, q = round(w / scale). packed:
+// PanelCount(n) * PanelElements(kInt8, k) int8; scales:
+// PanelCount(n) * GroupCount(k, group_size) * kPanelWidth float.
+inline void PackInt8(const float* w, int64_t k, int64_t n, int64_t group_size,
+                     int8_t* packed, float* scales) {
+  const int64_t groups = GroupCount(k, group_size);
+  for (int64_t p = 0; p < PanelCount(n); ++p) {
+    const int64_t first = p * kPanelWidth;
+    const int64_t width = std::min(kPanelWidth, n - first);
+    int8_t* panel = packed + p * PanelElements(WeightFormat::kInt8, k);
+    float* panel_scales = scales + p * groups * kPanelWidth;
+    std::fill(panel, panel + k * kPanelWidth, int8_t{0});
+    std::fill(panel_scales, panel_scales + groups * kPanelWidth, 0.0f);
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t row_end = std::min(k, (g + 1) * group_size);
+      for (int64_t c = 0; c < width; ++c) {
+        float largest = 0.0f;
+        for (int64_t row = g * group_size; row < row_end; ++row) {
+          largest = std::max(largest, std::fabs(w[row * n + first + c]));
+        }
+        if (largest == 0.0f) continue;  // all-zero group: q = 0, scale = 0
+        const float scale = largest / 127.0f;
+        panel_scales[g * kPanelWidth + c] = scale;
+        for (int64_t row = g * group_size; row < row_end; ++row) {
+          const float q = std::nearbyint(w[row * n + first + c] / scale);
+          panel[row * kPanelWidth + c] =
+              static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- products
+
+// Packed weights, as the kernels read them.
+struct PackedWeights {
+  WeightFormat format = WeightFormat::kFloat32;
+  int64_t k = 0;
+  int64_t n = 0;
+  const void* data = nullptr;     // the panels
+  const float* scales = nullptr;  // int8 only
+  int64_t group_size = 0;         // int8 only
+};
+
+struct LinearProblem {
+  const float* x = nullptr;  // [m, k], rows x_stride apart
+  int64_t m = 0;
+  int64_t x_stride = 0;
+  PackedWeights w;
+  const float* bias = nullptr;  // [n] or null
+  float* y = nullptr;           // [m, n], rows y_stride apart
+  int64_t y_stride = 0;
+};
+
+namespace scalar_path {
+
+// One panel, rows [row, row + rows) of x: plain C++ over the packed layout.
+inline void PanelRows(const LinearProblem& p, int64_t panel, int64_t row,
+                      int64_t rows) {
+  const PackedWeights& w = p.w;
+  const int64_t first = panel * kPanelWidth;
+  const int64_t width = std::min(kPanelWidth, w.n - first);
+  const int64_t groups =
+      w.format == WeightFormat::kInt8 ? GroupCount(w.k, w.group_size) : 0;
+  for (int64_t r = row; r < row + rows; ++r) {
+    const float* x = p.x + r * p.x_stride;
+    float acc[kPanelWidth] = {};
+    for (int64_t kk = 0; kk < w.k; ++kk) {
+      for (int64_t c = 0; c < kPanelWidth; ++c) {
+        float weight;
+        if (w.format == WeightFormat::kFloat32) {
+          weight = static_cast<const float*>(w.data)
+              [(panel * w.k + kk) * kPanelWidth + c];
+        } else if (w.format == WeightFormat::kBFloat16) {
+          const uint16_t* panel_data =
+              static_cast<const uint16_t*>(w.data) +
+              panel * PanelElements(WeightFormat::kBFloat16, w.k);
+          weight = FloatFromBFloat16(
+              panel_data[(kk / 2) * 2 * kPanelWidth + 2 * c + kk % 2]);
+        } else {
+          const int8_t q = static_cast<const int8_t*>(
+              w.data)[(panel * w.k + kk) * kPanelWidth + c];
+          const float scale =
+              w.scales[(panel * groups + kk / w.group_size) * kPanelWidth + c];
+          weight = static_cast<float>(q) * scale;
+        }
+        acc[c] += x[kk] * weight;
+      }
+    }
+    float* y = p.y + r * p.y_stride + first;
+    for (int64_t c = 0; c < width; ++c) {
+      y[c] = p.bias ? acc[c] + p.bias[first + c] : acc[c];
+    }
+  }
+}
+
+inline void Panels(const LinearProblem& p, int64_t begin, int64_t end) {
+  for (int64_t panel = begin; panel < end; ++panel) {
+    PanelRows(p, panel, 0, p.m);
+  }
+}
+
+}  // namespace scalar_path
+
+#ifdef PADDLE_STEP_CPU_X86
+
+#define PADDLE_STEP_INLINE inline __attribute__((always_inline))
+
+// ------------------------------------------------------------------ AVX-512
+// A tile is kAvx512Rows rows of x times one panel (two 16-float vectors):
+// 2 * rows accumulators live in registers for the whole of K, each weight
+// vector is loaded (and widened) once per tile and used by every row.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,fma")
+namespace avx512_path {
+
+constexpr int kRows = 8;
+
+template <int kTileRows>
+struct Accumulators {
+  __m512 sum[kTileRows][2];
+
+  PADDLE_STEP_INLINE Accumulators() {
+#pragma GCC unroll 16
+    for (int r = 0; r < kTileRows; ++r) {
+      sum[r][0] = _mm512_setzero_ps();
+      sum[r][1] = _mm512_setzero_ps();
+    }
+  }
+
+  // sum[r] += x[r][kk] * (w0, w1) for every row of the tile.
+  PADDLE_STEP_INLINE void Add(const float* x, int64_t x_stride, int64_t kk,
+                              __m512 w0, __m512 w1) {
+#pragma GCC unroll 16
+    for (int r = 0; r < kTileRows; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * x_stride + kk]);
+      sum[r][0] = _mm512_fmadd_ps(xv, w0, sum[r][0]);
+      sum[r][1] = _mm512_fmadd_ps(xv, w1, sum[r][1]);
+    }
+  }
+
+  PADDLE_STEP_INLINE void Store(float* y, int64_t y_stride, const float* bias,
+                                int64_t width) {
+    const __mmask16 low = static_cast<__mmask16>(
+        width >= 16 ? 0xFFFF : (1u << width) - 1);
+    const __mmask16 high = static_cast<__mmask16>(
+        width >= 32 ? 0xFFFF : width <= 16 ? 0 : (1u << (width - 16)) - 1);
+    __m512 b0 = _mm512_setzero_ps();
+    __m512 b1 = _mm512_setzero_ps();
+    if (bias) {
+      b0 = _mm512_maskz_loadu_ps(low, bias);
+      b1 = _mm512_maskz_loadu_ps(high, bias + 16);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < kTileRows; ++r) {
+      __m512 v0 = sum[r][0];
+      __m512 v1 = sum[r][1];
+      if (bias) {
+        v0 = _mm512_add_ps(v0, b0);
+        v1 = _mm512_add_ps(v1, b1);
+      }
+      _mm512_mask_storeu_ps(y + r * y_stride, low, v0);
+      _mm512_mask_storeu_ps(y + r * y_stride + 16, high, v1);
+    }
+  }
+};
+
+template <int kTileRows>
+void TileFloat32(const LinearProblem& p, int64_t panel, int64_t row) {
+  const int64_t k = p.w.k;
+  const float* w = static_cast<const float*>(p.w.data) +
+                   panel * PanelElements(WeightFormat::kFloat32, k);
+  const float* x = p.x + row * p.x_stride;
+  Accumulators<kTileRows> acc;
+  for (int64_t kk = 0; kk < k; ++kk) {
+    acc.Add(x, p.x_stride, kk, _mm512_loadu_ps(w + kk * kPanelWidth),
+            _mm512_loadu_ps(w + kk * kPanelWidth + 16));
+  }
+  const int64_t first = panel * kPanelWidth;
+  acc.Store(p.y + row * p.y_stride + first, p.y_stride,
+            p.bias ? p.bias + first : nullptr, std::min(kPanelWidth, p.w.n - first));
+}
+
+// A pair row (k = 2s, 2s+1) of a bfloat16 panel widened to float32: the low
+// half of each 32-bit lane is row 2s, the high half row 2s + 1.
+PADDLE_STEP_INLINE __m512 EvenRow(__m512i pairs) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+}
+PADDLE_STEP_INLINE __m512 OddRow(__m512i pairs) {
+  return _mm512_castsi512_ps(
+      _mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+template <int kTileRows>
+void TileBFloat16(const LinearProblem& p, int64_t panel, int64_t row) {
+  const int64_t k = p.w.k;
+  const uint16_t* w = static_cast<const uint16_t*>(p.w.data) +
+                      panel * PanelElements(WeightFormat::kBFloat16, k);
+  const float* x = p.x + row * p.x_stride;
+  Accumulators<kTileRows> acc;
+  const int64_t full_pairs = k / 2;
+  for (int64_t s = 0; s < full_pairs; ++s) {
+    const uint16_t* pair_row = w + s * 2 * kPanelWidth;
+    const __m512i low = _mm512_loadu_si512(pair_row);
+    const __m512i high = _mm512_loadu_si512(pair_row + 32);
+    acc.Add(x, p.x_stride, 2 * s, EvenRow(low), EvenRow(high));
+    acc.Add(x, p.x_stride, 2 * s + 1, OddRow(low), OddRow(high));
+  }
+  if (k % 2) {  // the last row alone: its pair is padding, x has no column k
+    const uint16_t* pair_row = w + full_pairs * 2 * kPanelWidth;
+    acc.Add(x, p.x_stride, k - 1, EvenRow(_mm512_loadu_si512(pair_row)),
+            EvenRow(_mm512_loadu_si512(pair_row + 32)));
+  }
+  const int64_t first = panel * kPanelWidth;
+  acc.Store(p.y + row * p.y_stride + first, p.y_stride,
+            p.bias ? p.bias + first : nullptr, std::min(kPanelWidth, p.w.n - first));
+}
+
+PADDLE_STEP_INLINE __m512 WidenInt8(const int8_t* q, __m512 scale) {
+  const __m128i bytes =
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), scale);
+}
+
+template <int kTileRows>
+void TileInt8(const LinearProblem& p, int64_t panel, int64_t row) {
+  const int64_t k = p.w.k;
+  const int64_t group_size = p.w.group_size;
+  const int64_t groups = GroupCount(k, group_size);
+  const int8_t* w = static_cast<const int8_t*>(p.w.data) +
+                    panel * PanelElements(WeightFormat::kInt8, k);
+  const float* scales = p.w.scales + panel * groups * kPanelWidth;
+  const float* x = p.x + row * p.x_stride;
+  Accumulators<kTileRows> acc;
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512 s0 = _mm512_loadu_ps(scales + g * kPanelWidth);
+    const __m512 s1 = _mm512_loadu_ps(scales + g * kPanelWidth + 16);
+    const int64_t row_end = std::min(k, (g + 1) * group_size);
+    for (int64_t kk = g * group_size; kk < row_end; ++kk) {
+      acc.Add(x, p.x_stride, kk, WidenInt8(w + kk * kPanelWidth, s0),
+              WidenInt8(w + kk * kPanelWidth + 16, s1));
+    }
+  }
+  const int64_t first = panel * kPanelWidth;
+  acc.Store(p.y + row * p.y_stride + first, p.y_stride,
+            p.bias ? p.bias + first : nullptr, std::min(kPanelWidth, p.w.n - first));
+}
+
+using TileFunction = void (*)(const LinearProblem&, int64_t, int64_t);
+
+#define PADDLE_STEP_TILE_TABLE(name)                                    \
+  inline const TileFunction* name##Table() {                            \
+    static constexpr TileFunction table[kRows + 1] = {                  \
+        nullptr,       name<1>, name<2>, name<3>, name<4>, name<5>,      \
+        name<6>,       name<7>, name<8>};                               \
+    return table;                                                       \
+  }
+PADDLE_STEP_TILE_TABLE(TileFloat32)
+PADDLE_STEP_TILE_TABLE(TileBFloat16)
+PADDLE_STEP_TILE_TABLE(TileInt8)
+#undef PADDLE_STEP_TILE_TABLE
+
+inline void Panels(const LinearProblem& p, int64_t begin, int64_t end) {
+  const TileFunction* tiles =
+      p.w.format == WeightFormat::kFloat32    ? TileFloat32Table()
+      : p.w.format == WeightFormat::kBFloat16 ? TileBFloat16Table()
+                                              : TileInt8Table();
+  for (int64_t panel = begin; panel < end; ++panel) {
+    for (int64_t row = 0; row < p.m; row += kRows) {
+      tiles[std::min<int64_t>(kRows, p.m - row)](p, panel, row);
+    }
+  }
+}
+
+}  // namespace avx512_path
+#pragma GCC pop_options
+
+// --------------------------------------------------------------------- AVX2
+// A tile is kAvx2Rows rows of x times one panel (four 8-float vectors): 16
+// registers hold 4 * rows accumulators, the 4 weight vectors and a broadcast.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2_path {
+
+constexpr int kRows = 2;
+
+template <int kTileRows>
+struct Accumulators {
+  __m256 sum[kTileRows][4];
+
+  PADDLE_STEP_INLINE Accumulators() {
+#pragma GCC unroll 16
+    for (int r = 0; r < kTileRows; ++r) {
+      for (int v = 0; v < 4; ++v) sum[r][v] = _mm256_setzero_ps();
+    }
+  }
+
+  PADDLE_STEP_INLINE void Add(const float* x, int64_t x_stride, int64_t kk,
+                              const __m256 (&w)[4]) {
+#pragma GCC unroll 16
+    for (int r = 0; r < kTileRows; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * x_stride + kk);
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) {
+        sum[r][v] = _mm256_fmadd_ps(xv, w[v], sum[r][v]);
+      }
+    }
+  }
+
+  PADDLE_STEP_INLINE void Store(float* y, int64_t y_stride, const float* bias,
+                                int64_t width) {
+    for (int r = 0; r < kTileRows; ++r) {
+      float row[kPanelWidth];
+      for (int v = 0; v < 4; ++v) _mm256_storeu_ps(row + 8 * v, sum[r][v]);
+      float* out = y + r * y_stride;
+      for (int64_t c = 0; c < width; ++c) {
+        out[c] = bias ? row[c] + bias[c] : row[c];
+      }
+    }
+  }
+};
+
+template <int kTileRows>
+void TileFloat32(const LinearProblem& p, int64_t panel, int64_t row) {
+  const int64_t k = p.w.k;
+  const float* w = static_cast<const float*>(p.w.data) +
+                   panel * PanelElements(WeightFormat::kFloat32, k);
+  const float* x = p.x + row * p.x_stride;
+  Accumulators<kTileRows> acc;
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const float* in = w + kk * kPanelWidth;
+    const __m256 v[4] = {_mm256_loadu_ps(in), _mm256_loadu_ps(in + 8),
+                         _mm256_loadu_ps(in + 16), _mm256_loadu_ps(in + 24)};
+    acc.Add(x, p.x_stride, kk, v);
+  }
+  const int64_t first = panel * kPanelWidth;
+  acc.Store(p.y + row * p.y_stride + first, p.y_stride,
+            p.bias ? p.bias + first : nullptr, std::min(kPanelWidth, p.w.n - first));
+}
+
+PADDLE_STEP_INLINE __m256 EvenRow(__m256i pairs) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+}
+PADDLE_STEP_INLINE __m256 OddRow(__m256i pairs) {
+  return _mm256_castsi256_ps(_mm256_and_si256(
+      pairs, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+template <int kTileRows>
+void TileBFloat16(const LinearProblem& p, int64_t panel, int64_t row) {
+  const int64_t k = p.w.k;
+  const uint16_t* w = static_cast<const uint16_t*>(p.w.data) +
+                      panel * PanelElements(WeightFormat::kBFloat16, k);
+  const float* x = p.x + row * p.x_stride;
+  Accumulators<kTileRows> acc;
+  const int64_t pairs = PanelRows(WeightFormat::kBFloat16, k);
+  for (int64_t s = 0; s < pairs; ++s) {
+    const __m256i* in =
+        reinterpret_cast<const __m256i*>(w + s * 2 * kPanelWidth);
+    const __m256i q[4] = {_mm256_loadu_si256(in), _mm256_loadu_si256(in + 1),
+                          _mm256_loadu_si256(in + 2),
+                          _mm256_loadu_si256(in + 3)};
+    const __m256 even[4] = {EvenRow(q[0]), EvenRow(q[1]), EvenRow(q[2]),
+                            EvenRow(q[3])};
+    acc.Add(x, p.x_stride, 2 * s, even);
+    if (2 * s + 1 < k) {  // else padding, and x has no column k
+      const __m256 odd[4] = {OddRow(q[0]), OddRow(q[1]), OddRow(q[2]),
+                             OddRow(q[3])};
+      acc.Add(x, p.x_stride, 2 * s + 1, odd);
+    }
+  }
+  const int64_t first = panel * kPanelWidth;
+  acc.Store(p.y + row * p.y_stride + first, p.y_stride,
+            p.bias ? p.bias + first : nullptr, std::min(kPanelWidth, p.w.n - first));
+}
+
+PADDLE_STEP_INLINE __m256 WidenInt8(const int8_t* q, __m256 scale) {
+  const __m128i bytes =
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), scale);
+}
+
+template <int kTileRows>
+void TileInt8(const LinearProblem& p, int64_t panel, int64_t row) {
+  const int64_t k = p.w.k;
+  const int64_t group_size = p.w.group_size;
+  const int64_t groups = GroupCount(k, group_size);
+  const int8_t* w = static_cast<const int8_t*>(p.w.data) +
+                    panel * PanelElements(WeightFormat::kInt8, k);
+  const float* scales = p.w.scales + panel * groups * kPanelWidth;
+  const float* x = p.x + row * p.x_stride;
+  Accumulators<kTileRows> acc;
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* s = scales + g * kPanelWidth;
+    const __m256 scale[4] = {_mm256_loadu_ps(s), _mm256_loadu_ps(s + 8),
+                             _mm256_loadu_ps(s + 16), _mm256_loadu_ps(s + 24)};
+    const int64_t row_end = std::min(k, (g + 1) * group_size);
+    for (int64_t kk = g * group_size; kk < row_end; ++kk) {
+      const int8_t* in = w + kk * kPanelWidth;
+      const __m256 v[4] = {WidenInt8(in, scale[0]), WidenInt8(in + 8, scale[1]),
+                           WidenInt8(in + 16, scale[2]),
+                           WidenInt8(in + 24, scale[3])};
+      acc.Add(x, p.x_stride, kk, v);
+    }
+  }
+  const int64_t first = panel * kPanelWidth;
+  acc.Store(p.y + row * p.y_stride + first, p.y_stride,
+            p.bias ? p.bias + first : nullptr, std::min(kPanelWidth, p.w.n - first));
+}
+
+using TileFunction = void (*)(const LinearProblem&, int64_t, int64_t);
+
+inline void Panels(const LinearProblem& p, int64_t begin, int64_t end) {
+  static constexpr TileFunction kFloat32[kRows + 1] = {
+      nullptr, TileFloat32<1>, TileFloat32<2>};
+  static constexpr TileFunction kBFloat16[kRows + 1] = {
+      nullptr, TileBFloat16<1>, TileBFloat16<2>};
+  static constexpr TileFunction kInt8[kRows + 1] = {nullptr, TileInt8<1>,
+                                                    TileInt8<2>};
+  const TileFunction* tiles = p.w.format == WeightFormat::kFloat32 ? kFloat32
+                              : p.w.format == WeightFormat::kBFloat16
+                                  ? kBFloat16
+                                  : kInt8;
+  for (int64_t panel = begin; panel < end; ++panel) {
+    for (int64_t row = 0; row < p.m; row += kRows) {
+      tiles[std::min<int64_t>(kRows, p.m - row)](p, panel, row);
+    }
+  }
+}
+
+}  // namespace avx2_path
+#pragma GCC pop_options
+
+#undef PADDLE_STEP_INLINE
+#endif  // PADDLE_STEP_CPU_X86
+
+// Panels [begin, end) of the product on the given path, which the CPU must
+// support (DetectIsa). A path without a kernel of its own for the format runs
+// the next one down.
+inline void LinearPanels(Isa isa, const LinearProblem& p, int64_t begin,
+                         int64_t end) {
+#ifdef PADDLE_STEP_CPU_X86
+  switch (isa) {
+    case Isa::kAvx512Bf16:
+    case Isa::kAvx512:
+      avx512_path::Panels(p, begin, end);
+      return;
+    case Isa::kAvx2:
+      avx2_path::Panels(p, begin, end);
+      return;
+    case Isa::kScalar:
+      break;
+  }
+#endif
+  (void)isa;
+  scalar_path::Panels(p, begin, end);
+}
+
+}  // namespace paddle_step::cpu

@@ -1,0 +1,114 @@
+"""Decode-row products ``y = x @ W (+ bias)`` on the CPU through the op library's own kernels.
+
+The weights are packed once (``pack_float32``, ``pack_bfloat16``, ``pack_int8``, or ``pack``
+with the format as an argument) into the panels the kernels stream
+(ops/include/cpu_linear_kernel.h); the model keeps the ``PackedWeights`` instead of ``W``.
+``linear`` takes float32 activations ``[M, K]`` whatever the weight format and accumulates in
+float32. The instruction-set path is chosen from the CPU's flags (``best_isa``); ``set_isa`` or
+``PADDLE_STEP_CPU_ISA`` forces a lower one. Products run on ``num_threads()`` threads, by
+default the cores the process may run on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+
+import paddle_step_ops as _library
+
+FORMATS = ("float32", "bfloat16", "int8")
+
+
+@dataclass(frozen=True)
+class PackedWeights:
+    """``W`` [k, n] packed for ``linear``: ``weights`` holds the panels (its dtype is the
+    format), ``scales`` the int8 format's float32 scale per column and group of
+    ``group_size`` rows of ``k``."""
+
+    format: str
+    k: int
+    n: int
+    weights: paddle.Tensor
+    scales: paddle.Tensor | None = None
+    group_size: int = 0
+
+
+def _tensor(w) -> paddle.Tensor:
+    return w if isinstance(w, paddle.Tensor) else paddle.to_tensor(np.ascontiguousarray(w))
+
+
+def pack_float32(w) -> PackedWeights:
+    """``w`` float32 [K, N] (a paddle tensor or an array; a Linear's weight, [in, out])."""
+    w = _tensor(w)
+    weights = _library.cpu_linear_pack_float32(w)  # checks w first
+    return PackedWeights("float32", w.shape[0], w.shape[1], weights)
+
+
+def pack_bfloat16(w) -> PackedWeights:
+    """``w`` float32 (rounded to nearest even) or bfloat16 (kept exactly) [K, N]."""
+    w = _tensor(w)
+    weights = _library.cpu_linear_pack_bfloat16(w)  # checks w first
+    return PackedWeights("bfloat16", w.shape[0], w.shape[1], weights)
+
+
+def pack_int8(w, group_size: int | None = None) -> PackedWeights:
+    """``w`` float32 [K, N] quantized to symmetric int8, one scale (max |w| / 127) per column
+    and group of ``group_size`` rows of K; None: one scale per column."""
+    w = _tensor(w)
+    group = w.shape[0] if group_size is None else group_size
+    weights, scales = _library.cpu_linear_pack_int8(w, group)  # checks w first
+    return PackedWeights("int8", w.shape[0], w.shape[1], weights, scales, group)
+
+
+def pack(w, weight_format: str = "float32", group_size: int | None = None) -> PackedWeights:
+    """``w`` [K, N] packed in ``weight_format`` (one of ``FORMATS``); ``group_size``: int8
+    only."""
+    if weight_format == "int8":
+        return pack_int8(w, group_size)
+    if group_size is not None:
+        raise ValueError(
+            f"pack: argument 'group_size': expected None for {weight_format!r} weights, "
+            f"got {group_size}"
+        )
+    if weight_format == "float32":
+        return pack_float32(w)
+    if weight_format == "bfloat16":
+        return pack_bfloat16(w)
+    raise ValueError(
+        f"pack: argument 'weight_format': expected one of {FORMATS}, got {weight_format!r}"
+    )
+
+
+def linear(
+    x: paddle.Tensor, packed: PackedWeights, bias: paddle.Tensor | None = None
+) -> paddle.Tensor:
+    """``x`` float32 [M, K] @ ``packed`` (+ ``bias`` float32 [N]): a new float32 [M, N]."""
+    return _library.cpu_linear(x, packed.weights, packed.scales, bias, packed.n, packed.group_size)
+
+
+def set_num_threads(threads: int) -> None:
+    """Threads each product runs on, the caller's included (e.g. the cores of
+    ``os.sched_getaffinity(0)``, split across tensor-parallel ranks)."""
+    _library.cpu_linear_set_num_threads(threads)
+
+
+def num_threads() -> int:
+    return _library.cpu_linear_num_threads()
+
+
+def set_isa(name: str) -> None:
+    """Forces the path: ``"auto"`` (the best this CPU has) or one of ``"scalar"``,
+    ``"avx2"``, ``"avx512"``, ``"avx512_bf16"`` that the CPU supports."""
+    _library.cpu_linear_set_isa(name)
+
+
+def isa() -> str:
+    """The path products run on now."""
+    return _library.cpu_linear_isa()
+
+
+def best_isa() -> str:
+    """The most capable path this CPU supports."""
+    return _library.cpu_linear_best_isa()

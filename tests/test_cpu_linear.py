@@ -1,0 +1,251 @@
+"""The CPU decode-row product (ops/cpu_linear.cc) against a float64 NumPy reference.
+
+The reference multiplies the same float32 activations by the same weights the kernel uses:
+W itself (float32), W rounded to bfloat16, or W's int8 quantization times its scales (both
+computed here in NumPy, independently of the packer). What remains is float32 rounding in the
+kernel. A dot product of K terms accumulated in float32 (one rounding per product and per
+addition, or one per FMA) is within ``gamma(K) * sum_k |x_k w_k|`` of the exact value,
+``gamma(K) = K u / (1 - K u)`` with ``u = 2**-24``, in any order of summation (Higham,
+Accuracy and Stability of Numerical Algorithms, 3.1); adding the bias rounds once more. So
+each output must lie within ``(K + 2) u (|x| @ |W| + |bias|)`` of the reference: a bound, not a
+fitted tolerance, and far below the error of one wrong or misplaced weight.
+"""
+
+import functools
+
+import numpy as np
+import paddle
+import pytest
+
+from paddle_step.layers import cpu_linear
+
+ISA_PATHS = ("scalar", "avx2", "avx512", "avx512_bf16")
+ISA_RANK = {name: rank for rank, name in enumerate(ISA_PATHS)}
+FORMATS = (("float32", None), ("bfloat16", None), ("int8", None), ("int8", 32))
+UNIT_ROUNDOFF = 2.0**-24
+
+# (M, K, N): K and N off the vector widths (8, 16) and the panel width (32), every M of the
+# issue, and one full-width MLP product.
+ROWS = (1, 3, 7, 8, 9, 17, 32, 33, 64)
+SHAPES = (
+    [(m, 13, 17) for m in ROWS]
+    + [(m, 100, 15) for m in ROWS]
+    + [(m, 896, 100) for m in (1, 8, 9, 33, 64)]
+    + [(17, 100, 1), (3, 13, 100), (2, 1, 33), (7, 896, 4864)]
+)
+
+
+def bfloat16_values(w):
+    """float32 ``w`` rounded to the nearest bfloat16 (ties to even), as float32."""
+    bits = w.astype(np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return rounded.astype(np.uint32).view(np.float32)
+
+
+def int8_quantized(w, group_size):
+    """(q int8 [K, N], scales float32 [ceil(K / group), N]): max |w| / 127 per column and
+    group, q = w / scale rounded to nearest even."""
+    k, n = w.shape
+    groups = -(-k // group_size)
+    q = np.zeros((k, n), np.int8)
+    scales = np.zeros((groups, n), np.float32)
+    for g in range(groups):
+        rows = slice(g * group_size, min(k, (g + 1) * group_size))
+        scale = np.abs(w[rows]).max(axis=0) / np.float32(127)
+        scales[g] = scale
+        safe = np.where(scale == 0, np.float32(1), scale)
+        q[rows] = np.clip(np.rint(w[rows] / safe), -127, 127).astype(np.int8)
+    return q, scales
+
+
+def effective_weights(w, weight_format, group_size):
+    """The float32 weights the kernel multiplies by for ``w`` in ``weight_format``."""
+    if weight_format == "float32":
+        return w
+    if weight_format == "bfloat16":
+        return bfloat16_values(w)
+    k = w.shape[0]
+    group = k if group_size is None else group_size
+    q, scales = int8_quantized(w, group)
+    return q.astype(np.float32) * np.repeat(scales, group, axis=0)[:k]
+
+
+def reference_and_bound(x, weights, bias):
+    """The float64 product and the float32 accumulation bound of each of its entries."""
+    x64, w64 = x.astype(np.float64), weights.astype(np.float64)
+    reference = x64 @ w64
+    magnitude = np.abs(x64) @ np.abs(w64)
+    if bias is not None:
+        reference += bias
+        magnitude += np.abs(bias)
+    return reference, (x.shape[1] + 2) * UNIT_ROUNDOFF * magnitude
+
+
+def check_within(y, reference, bound):
+    error = np.abs(y.astype(np.float64) - reference)
+    worst = np.unravel_index(np.argmax(error - bound), error.shape)
+    assert np.all(error <= bound), (
+        f"error {error[worst]:.3g} > bound {bound[worst]:.3g} at {worst} of {y.shape}"
+    )
+
+
+def check_product(y, x, weights, bias):
+    check_within(y, *reference_and_bound(x, weights, bias))
+
+
+@functools.cache
+def shape_case(index):
+    """x, W and (every other shape) a bias for SHAPES[index]."""
+    m, k, n = SHAPES[index]
+    rng = np.random.default_rng(index)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32) if index % 2 else None
+    return x, w, bias
+
+
+@functools.cache
+def format_case(index, weight_format, group_size):
+    """The packed weights and the reference of SHAPES[index] in a format: packed once for
+    every path."""
+    x, w, bias = shape_case(index)
+    packed = cpu_linear.pack(w, weight_format, group_size)
+    weights = effective_weights(w, weight_format, group_size)
+    return packed, reference_and_bound(x, weights, bias)
+
+
+@pytest.fixture(params=ISA_PATHS)
+def isa_path(request):
+    if ISA_RANK[request.param] > ISA_RANK[cpu_linear.best_isa()]:
+        pytest.skip(f"this CPU runs up to {cpu_linear.best_isa()}, not {request.param}")
+    cpu_linear.set_isa(request.param)
+    yield request.param
+    cpu_linear.set_isa("auto")
+
+
+@pytest.mark.parametrize("weight_format, group_size", FORMATS)
+def test_products_match_float64_reference(isa_path, weight_format, group_size):
+    for index, (m, _, n) in enumerate(SHAPES):
+        x, _, bias = shape_case(index)
+        packed, (reference, bound) = format_case(index, weight_format, group_size)
+        y = cpu_linear.linear(
+            paddle.to_tensor(x), packed, None if bias is None else paddle.to_tensor(bias)
+        )
+        assert y.shape == [m, n] and y.dtype == paddle.float32
+        check_within(y.numpy(), reference, bound)
+
+
+def test_isa_paths_and_thread_counts_agree_closely():
+    """Every path and thread count gives the same product within the float32 bound; thread
+    counts on one path give the same bits (each column is summed by one thread, in order)."""
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((300, 777)).astype(np.float32)
+    x = paddle.to_tensor(rng.standard_normal((11, 300)).astype(np.float32))
+    packed = cpu_linear.pack_float32(w)
+    threads = cpu_linear.num_threads()
+    try:
+        cpu_linear.set_num_threads(1)
+        single = cpu_linear.linear(x, packed).numpy()
+        for count in (2, 3, 5):
+            cpu_linear.set_num_threads(count)
+            assert cpu_linear.num_threads() == count
+            np.testing.assert_array_equal(cpu_linear.linear(x, packed).numpy(), single)
+    finally:
+        cpu_linear.set_num_threads(threads)
+    check_product(single, x.numpy(), w, None)
+
+
+@pytest.mark.parametrize("weight_format, group_size", FORMATS)
+def test_column_shard_equals_slice_of_full_product(weight_format, group_size):
+    """A tensor-parallel column shard packed on its own computes the same bits as the same
+    columns of the whole product (scales follow their columns)."""
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((896, 300)).astype(np.float32)
+    x = paddle.to_tensor(rng.standard_normal((5, 896)).astype(np.float32))
+    full = cpu_linear.linear(x, cpu_linear.pack(w, weight_format, group_size)).numpy()
+    for begin, end in ((0, 150), (150, 300), (37, 101)):
+        shard = cpu_linear.pack(w[:, begin:end], weight_format, group_size)
+        np.testing.assert_array_equal(cpu_linear.linear(x, shard).numpy(), full[:, begin:end])
+
+
+def test_packed_layouts():
+    """The documented layouts (ops/include/cpu_linear_kernel.h), element by element."""
+    rng = np.random.default_rng(3)
+    k, n = 7, 40  # two panels, the second 8 columns wide; odd K
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    padded = np.zeros((k, 64), np.float32)
+    padded[:, :n] = w
+    panels = padded.reshape(k, 2, 32).transpose(1, 0, 2)  # [panel, k, 32]
+
+    np.testing.assert_array_equal(cpu_linear.pack_float32(w).weights.numpy(), panels)
+
+    bf16 = cpu_linear.pack_bfloat16(w).weights
+    assert bf16.dtype == paddle.bfloat16 and bf16.shape == [2, 4, 32, 2]
+    rows = np.zeros((2, 8, 32), np.float32)  # K padded to 8 with a zero row
+    rows[:, :k] = bfloat16_values(panels)
+    expected = rows.reshape(2, 4, 2, 32).transpose(0, 1, 3, 2)  # pairs of rows side by side
+    np.testing.assert_array_equal(bf16.astype("float32").numpy(), expected)
+
+    packed = cpu_linear.pack_int8(w, group_size=4)
+    q, scales = int8_quantized(padded, 4)
+    np.testing.assert_array_equal(packed.weights.numpy(), q.reshape(k, 2, 32).transpose(1, 0, 2))
+    np.testing.assert_array_equal(
+        packed.scales.numpy(), scales.reshape(2, 2, 32).transpose(1, 0, 2)
+    )
+
+
+def test_bfloat16_weights_are_kept_exactly():
+    rng = np.random.default_rng(4)
+    w = paddle.to_tensor(rng.standard_normal((33, 50)).astype(np.float32)).astype("bfloat16")
+    x = rng.standard_normal((4, 33)).astype(np.float32)
+    packed = cpu_linear.pack_bfloat16(w)
+    y = cpu_linear.linear(paddle.to_tensor(x), packed).numpy()
+    check_product(y, x, w.astype("float32").numpy(), None)
+
+
+def test_rows_of_a_wider_matrix_need_no_copy():
+    rng = np.random.default_rng(5)
+    wide = paddle.to_tensor(rng.standard_normal((6, 120)).astype(np.float32))
+    w = rng.standard_normal((40, 70)).astype(np.float32)
+    x = wide[:, 30:70]
+    y = cpu_linear.linear(x, cpu_linear.pack_float32(w)).numpy()
+    check_product(y, x.numpy(), w, None)
+
+
+def test_bad_arguments_are_named():
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((16, 10)).astype(np.float32)
+    x = paddle.to_tensor(rng.standard_normal((3, 16)).astype(np.float32))
+    packed = cpu_linear.pack_float32(w)
+    int8 = cpu_linear.pack_int8(w)
+    int32_panels = paddle.zeros([1, 16, 32], "int32")
+    linear, pack = cpu_linear.linear, cpu_linear.pack
+    cases = [
+        ("'x': expected dtype float32, got dtype float64", linear, x.astype("float64"), packed),
+        (r"'x': expected shape \[-1, -1\], got shape \[48\]", linear, x.reshape([48]), packed),
+        (r"'weights': expected shape \[1, 15, 32\], got shape \[1, 16, 32\]",
+         linear, x[:, :15].contiguous(), packed),
+        ("'x': expected a matrix whose rows are contiguous", linear, x.T, packed),
+        (r"'bias': expected shape \[10\], got shape \[11\]",
+         linear, x, packed, paddle.zeros([11])),
+        ("'bias': expected dtype float32, got dtype int64",
+         linear, x, packed, paddle.zeros([10], dtype="int64")),
+        ("'scales': expected the float32 scales of the int8 weights, got none",
+         linear, x, cpu_linear.PackedWeights("int8", 16, 10, int8.weights)),
+        ("'scales': expected none for float32 weights, got a tensor",
+         linear, x, cpu_linear.PackedWeights("float32", 16, 10, packed.weights, int8.scales)),
+        ("'weights': expected dtype float32 or bfloat16 or int8, got dtype int32",
+         linear, x, cpu_linear.PackedWeights("float32", 16, 10, int32_panels)),
+        ("'w': expected dtype float32, got dtype float64", pack, w.astype(np.float64)),
+        (r"'w': expected shape \[-1, -1\], got shape \[10\]", pack, w[0], "int8"),
+        ("'w': expected a contiguous tensor", pack, paddle.to_tensor(w).T),
+        ("'group_size': expected a positive integer, got 0", pack, w, "int8", 0),
+        ("'group_size': expected None for 'bfloat16' weights", pack, w, "bfloat16", 4),
+        ("'weight_format': expected one of", pack, w, "float16"),
+        ("'threads': expected a positive integer, got 0", cpu_linear.set_num_threads, 0),
+        ("'isa': expected one of auto, scalar, avx2, avx512, avx512_bf16, got 'sse'",
+         cpu_linear.set_isa, "sse"),
+    ]  # fmt: skip
+    for match, call, *args in cases:
+        with pytest.raises(ValueError, match="argument " + match):
+            call(*args)
