@@ -1,10 +1,11 @@
-"""The model's dense blocks: compiled (oneDNN) and eager give the same numbers up to float32
-rounding, the dispatch picks the path by rows, the flag is left as found, nothing is
-printed, and the switch works."""
+"""The model's dense blocks: every way they run (eager, the CPU op, compiled onto oneDNN)
+gives the same numbers up to float32 rounding; the first call of a row count class times
+the ways and keeps the fastest; the environment can force one; the flag is left as found;
+nothing is printed."""
 
 from __future__ import annotations
 
-import math
+import time
 
 import numpy as np
 import paddle
@@ -35,27 +36,19 @@ BIASED_TIED = ModelConfig(
     seed=3,
 )
 PLAIN = ModelConfig(vocab_size=777, hidden_size=64, num_layers=2, seed=4)
-ISSUE_SHAPE = ModelConfig(
-    vocab_size=32000,
-    hidden_size=512,
-    num_layers=1,
-    num_heads=8,
-    num_kv_heads=4,
-    intermediate_size=1536,
-)
 
 
 def block_arguments(model: LlamaForCausalLM, rows: int, rng: np.random.Generator) -> dict:
     """Arguments of each block of ``model``'s first layer for ``rows`` tokens."""
     cfg, layer = model.config, model.layers[0]
-    w_qkv, qkv_bias, w_gate_up = layer._fused_weights()
+    w_qkv, qkv_bias, w_o, w_gate_up, w_down = layer._dense_weights()
 
     def tensor(*shape: int) -> paddle.Tensor:
         return paddle.to_tensor(rng.standard_normal(shape).astype("float32"))
 
     angles = rng.uniform(0, 6.3, (rows, 1, cfg.head_dim)).astype("float32")
     biases = [] if qkv_bias is None else [qkv_bias]
-    head = model.embed if model.lm_head is None else model.lm_head
+    model._logits(tensor(1, cfg.hidden_size))  # makes the LM head's DenseWeight
     return {
         "attention_inputs": [
             tensor(rows, cfg.hidden_size),
@@ -68,13 +61,13 @@ def block_arguments(model: LlamaForCausalLM, rows: int, rng: np.random.Generator
         "output_and_mlp": [
             tensor(rows, cfg.hidden_size),
             tensor(rows, cfg.num_heads * cfg.head_dim),
-            layer.wo,
+            w_o,
             layer.mlp_norm.weight,
             w_gate_up,
-            layer.w_down,
+            w_down,
             *([] if layer.o_bias is None else [layer.o_bias]),
         ],
-        "logits": [tensor(rows, cfg.hidden_size), model.final_norm.weight, head],
+        "logits": [tensor(rows, cfg.hidden_size), model.final_norm.weight, model._lm_head],
     }
 
 
@@ -82,57 +75,98 @@ def as_list(outputs) -> list[np.ndarray]:
     return [o.numpy() for o in (outputs if isinstance(outputs, tuple) else (outputs,))]
 
 
-@needs_onednn
 @pytest.mark.parametrize("config", [BIASED_TIED, PLAIN], ids=["biased-tied", "plain"])
 @pytest.mark.parametrize("rows", [1, 2, 7, 16, 17, 83])
-def test_compiled_blocks_match_eager(config: ModelConfig, rows: int) -> None:
+def test_every_way_matches_eager(config: ModelConfig, rows: int) -> None:
     model = LlamaForCausalLM(config)
     rng = np.random.default_rng(rows)
     with paddle.no_grad():
         for name, args in block_arguments(model, rows, rng).items():
             block = getattr(model.blocks, name)
-            block.min_rows = 1  # compiled whatever the rows
-            compiled = as_list(block(*args))
-            eager = as_list(block.function(*args))
-            assert [c.shape for c in compiled] == [e.shape for e in eager], name
-            for c, e in zip(compiled, eager):
-                np.testing.assert_allclose(c, e, rtol=2e-5, atol=2e-5, err_msg=name)
+            assert block.methods[:2] == ("eager", "op"), name
+            eager = as_list(block.run("eager", *args))
+            for method in block.methods[1:]:
+                other = as_list(block.run(method, *args))
+                assert [o.shape for o in other] == [e.shape for e in eager], (name, method)
+                for o, e in zip(other, eager):
+                    np.testing.assert_allclose(o, e, rtol=2e-5, atol=2e-5, err_msg=name + method)
 
 
-class Spy:
-    """Stands in for a block's function or compiled program; records its calls."""
+class Timed:
+    """Stands in for one way of a block: takes ``seconds`` a call and records its calls."""
 
-    def __init__(self, label: str, calls: list[str]) -> None:
-        self.label, self.calls = label, calls
+    def __init__(self, label: str, seconds: float, calls: list[str]) -> None:
+        self.label, self.seconds, self.calls = label, seconds, calls
 
     def __call__(self, *args):
         self.calls.append(self.label)
-        return self.label
+        time.sleep(self.seconds)
+        return paddle.full([args[0].shape[0], 1], float(len(self.label)))
 
 
-@needs_onednn
-@pytest.mark.parametrize(
-    "config", [BIASED_TIED, PLAIN, ISSUE_SHAPE], ids=["biased-tied", "plain", "issue"]
-)
-def test_work_size_picks_the_path(config: ModelConfig) -> None:
-    q_width, kv_width = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    macs_per_row = {
-        "attention_inputs": config.hidden_size * (q_width + 2 * kv_width),
-        "output_and_mlp": config.hidden_size * (q_width + 3 * config.intermediate_size),
-        "logits": config.hidden_size * config.vocab_size,
-    }
-    blocks = model_blocks(config)
-    for name, per_row in macs_per_row.items():
-        block = getattr(blocks, name)
-        calls: list[str] = []
-        block.function, block.compiled = Spy("eager", calls), Spy("compiled", calls)
-        min_rows = max(2, math.ceil(dense_blocks.MIN_COMPILED_MACS / per_row))
-        assert block.min_rows == min_rows, name
-        for rows in (1, min_rows - 1, min_rows, min_rows + 50):
-            block(paddle.zeros([rows, 4]))
-        assert calls == ["eager", "eager", "compiled", "compiled"], name
-    if config is ISSUE_SHAPE:  # the thresholds measured on this shape
-        assert [getattr(blocks, name).min_rows for name in macs_per_row] == [23, 5, 2]
+def with_timed_ways(block, seconds: dict[str, float]) -> list[str]:
+    calls: list[str] = []
+    block._functions = {m: Timed(m, s, calls) for m, s in seconds.items()}
+    return calls
+
+
+def test_first_call_of_a_row_class_times_every_way_and_keeps_the_fastest() -> None:
+    block = model_blocks(PLAIN).logits
+    calls = with_timed_ways(block, {"eager": 0.004, "op": 0.0, "compiled": 0.002})
+    weights = [dense_blocks.DenseWeight(paddle.ones([1]), None)]
+    out = block(paddle.zeros([17, 4]), paddle.ones([4]), *weights)  # class 18
+    per_way = 1 + dense_blocks.TIMED_CALLS
+    assert calls == ["eager"] * per_way + ["op"] * per_way + ["compiled"] * per_way
+    assert block.choice == {18: "op"} and set(block.timings[18]) == {"eager", "op", "compiled"}
+    np.testing.assert_array_equal(out.numpy(), np.full([17, 1], 2.0))  # the op's outputs
+    calls.clear()
+    block(paddle.zeros([18, 4]), paddle.ones([4]), *weights)  # same class: no timing
+    assert calls == ["op"]
+    calls.clear()
+    block._functions["compiled"].seconds = 0.0
+    block._functions["op"].seconds = 0.004
+    block(paddle.zeros([3, 4]), paddle.ones([4]), *weights)  # a new class is timed anew
+    assert block.choice[3] == "compiled" and len(calls) == 3 * per_way
+
+
+def test_ranks_agree_on_the_way() -> None:
+    """Timings are summed over the tensor-parallel ranks (``agree``): every rank keeps the
+    way that is fastest in total, not its own."""
+    block = model_blocks(PLAIN).logits
+    with_timed_ways(block, {"eager": 0.003, "op": 0.0})
+    # The other rank found the op much slower.
+    block.agree = lambda t: t + paddle.to_tensor([0.0, 0.01], dtype="float64")
+    block(paddle.zeros([5, 4]), paddle.ones([4]), dense_blocks.DenseWeight(paddle.ones([1]), None))
+    assert block.choice == {5: "eager"}
+
+
+@pytest.mark.parametrize("method", ["eager", "op", "compiled"])
+def test_environment_forces_a_way(monkeypatch, method: str) -> None:
+    monkeypatch.setenv("PADDLE_STEP_DENSE", method)
+    block = model_blocks(PLAIN).logits
+    if method not in block.methods:
+        pytest.skip(f"{method} cannot run here")
+    assert block.forced == method
+    calls = with_timed_ways(block, {m: 0.0 for m in block.methods})
+    block(paddle.zeros([5, 4]), paddle.ones([4]), dense_blocks.DenseWeight(paddle.ones([1]), None))
+    assert calls == [method] and block.choice == {}
+
+
+def test_environment_rejects_other_ways(monkeypatch) -> None:
+    monkeypatch.setenv("PADDLE_STEP_DENSE", "fast")
+    with pytest.raises(ValueError, match=r"PADDLE_STEP_DENSE must be 'auto' or one of .*'fast'"):
+        model_blocks(PLAIN)
+
+
+def test_choices_are_logged(caplog) -> None:
+    import logging
+
+    block = model_blocks(PLAIN).logits
+    with_timed_ways(block, {"eager": 0.002, "op": 0.0})
+    with caplog.at_level(logging.INFO, logger="paddle_step.layers.dense_blocks"):
+        block(paddle.zeros([9, 4]), paddle.ones([4]), dense_blocks.DenseWeight(None, None))
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["logits, 9 rows"]
+    assert caplog.records[0].getMessage().endswith("-> op")
 
 
 def test_padded_rows_bound_the_shapes() -> None:
@@ -156,36 +190,37 @@ def test_compiled_call_pads_and_returns_the_real_rows() -> None:
         return args[0] * 2, args[3] + 1, args[4]  # outputs with the padded row count
 
     block = blocks.attention_inputs
-    block.min_rows, block.compiled = 2, program
+    block._functions["compiled"] = program
     x = paddle.arange(83 * 64, dtype="float32").reshape([83, 64]) + 1
     angles = paddle.ones([83, 1, 16])
-    weights = [paddle.ones([64]), paddle.ones([64, 128])]
-    doubled, cos_plus_one, sin = block(x, *weights, angles, angles)
+    weights = [paddle.ones([64]), dense_blocks.DenseWeight(paddle.ones([64, 128]), None)]
+    doubled, cos_plus_one, sin = block.run("compiled", x, *weights, angles, angles)
     assert seen == [[[88, 64], [64], [64, 128], [88, 1, 16], [88, 1, 16]]]
     np.testing.assert_array_equal(doubled.numpy(), 2 * x.numpy())
     np.testing.assert_array_equal(cos_plus_one.numpy(), 2 * np.ones([83, 1, 16]))
     assert sin.shape == [83, 1, 16]
 
     logits = blocks.logits
-    logits.min_rows, logits.compiled = 2, lambda hidden, norm, head: hidden[:, :1] - 1
-    out = logits(x, *weights)
+    logits._functions["compiled"] = lambda hidden, norm, head: hidden[:, :1] - 1
+    out = logits.run("compiled", x, *weights)
     np.testing.assert_array_equal(out.numpy(), x.numpy()[:, :1] - 1)
-    exact = logits(x[:16], *weights)
+    exact = logits.run("compiled", x[:16], *weights)
     assert exact.shape == [16, 1]
 
 
 def test_tensor_parallel_mlp_stays_eager() -> None:
     """The all-reduce runs between the block's products: it cannot be one program."""
     blocks = model_blocks(PLAIN, all_reduce=lambda x: x)
-    assert blocks.output_and_mlp.compiled is None
+    assert "compiled" not in blocks.output_and_mlp.methods
+    assert blocks.output_and_mlp.agree is not None
 
 
-def test_float64_and_the_switch_stay_eager(monkeypatch) -> None:
+def test_float64_stays_eager_and_the_switch_leaves_compiled_out(monkeypatch) -> None:
     assert not onednn_available("float64")
-    assert model_blocks(ModelConfig(dtype="float64")).logits.compiled is None
+    assert all(block.methods == ("eager",) for block in model_blocks(ModelConfig(dtype="float64")))
     monkeypatch.setenv("PADDLE_STEP_ONEDNN", "0")
     assert not onednn_available("float32")
-    assert all(block.compiled is None for block in model_blocks(PLAIN))
+    assert all(block.methods == ("eager", "op") for block in model_blocks(PLAIN))
 
 
 def test_switch_rejects_other_values(monkeypatch) -> None:
@@ -202,7 +237,7 @@ def test_flag_is_left_as_found(user_setting: bool) -> None:
     paddle.set_flags({"FLAGS_use_mkldnn": user_setting})
     try:
         with paddle.no_grad():
-            model.blocks.logits(*args)
+            model.blocks.logits.run("compiled", *args)
         assert paddle.get_flags(["FLAGS_use_mkldnn"])["FLAGS_use_mkldnn"] is user_setting
     finally:
         paddle.set_flags({"FLAGS_use_mkldnn": False})
@@ -215,18 +250,18 @@ def test_compiling_prints_nothing(capfd) -> None:
     model = LlamaForCausalLM(BIASED_TIED)  # new programs: traced and compiled in this test
     with paddle.no_grad():
         for name, args in block_arguments(model, 90, np.random.default_rng(1)).items():
-            getattr(model.blocks, name)(*args)
+            getattr(model.blocks, name).run("compiled", *args)
     assert capfd.readouterr().out == ""
 
 
-@needs_onednn
-def test_paged_step_with_compiled_blocks_matches_eager(monkeypatch) -> None:
-    """With the threshold lowered so that this small model compiles every block of two
-    rows or more (the 40-token prefill row, the 8 rows' logits), a mixed step gives the
-    same logits as the same model with the switch off, up to float32 rounding, and the
-    same greedy tokens."""
+@pytest.mark.parametrize("method", ["op", "compiled"])
+def test_paged_step_matches_eager(monkeypatch, method: str) -> None:
+    """A mixed step (a 40-token prefill row among decode rows) with every block forced
+    ``method``'s way gives the same logits as the eager model up to float32 rounding, and
+    the same greedy tokens."""
+    if method == "compiled" and not onednn_available("float32"):
+        pytest.skip("compiled blocks need Paddle 3 with oneDNN on the CPU")
     config = ModelConfig(vocab_size=500, hidden_size=64, num_layers=2, seed=9)
-    monkeypatch.setattr(dense_blocks, "MIN_COMPILED_MACS", 1)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(1, 500, size=n).tolist() for n in (40, 3, 9, 1, 17, 2, 5, 8)]
     width, block_size = 48, 8
@@ -235,7 +270,10 @@ def test_paged_step_with_compiled_blocks_matches_eager(monkeypatch) -> None:
         input_ids[row, : len(prompt)] = prompt
     tables = np.arange(len(prompts) * 6, dtype=np.int32).reshape(len(prompts), 6)
 
-    def step_logits(model: LlamaForCausalLM) -> np.ndarray:
+    def step_logits(forced: str) -> np.ndarray:
+        monkeypatch.setenv("PADDLE_STEP_DENSE", forced)
+        model = LlamaForCausalLM(config)
+        assert all(block.forced == forced for block in model.blocks)
         cache = PagedKVCache.for_config(config, num_blocks=tables.size, block_size=block_size)
         batch = build_flat_batch(
             paddle.to_tensor(input_ids),
@@ -246,12 +284,6 @@ def test_paged_step_with_compiled_blocks_matches_eager(monkeypatch) -> None:
         )
         return model.forward_paged(**batch, kv_cache=cache).numpy()
 
-    compiled_model = LlamaForCausalLM(config)
-    assert [block.min_rows for block in compiled_model.blocks] == [2, 2, 2]
-    compiled = step_logits(compiled_model)
-    monkeypatch.setenv("PADDLE_STEP_ONEDNN", "0")
-    eager_model = LlamaForCausalLM(config)
-    assert eager_model.blocks.logits.compiled is None
-    eager = step_logits(eager_model)
-    np.testing.assert_allclose(compiled, eager, rtol=1e-4, atol=1e-4)
-    assert (compiled.argmax(-1) == eager.argmax(-1)).all()
+    other, eager = step_logits(method), step_logits("eager")
+    np.testing.assert_allclose(other, eager, rtol=1e-4, atol=1e-4)
+    assert (other.argmax(-1) == eager.argmax(-1)).all()

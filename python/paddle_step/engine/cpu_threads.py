@@ -23,7 +23,11 @@ def default_threads(world_size: int = 1) -> int:
 
 
 def set_compute_threads(threads: int) -> None:
-    """Runs Paddle's CPU kernels (MKL, oneDNN) on ``threads`` threads."""
+    """Runs Paddle's CPU kernels (MKL, oneDNN) and this package's CPU op on ``threads``
+    threads."""
     from paddle.base import core
 
+    from ..layers import cpu_linear
+
     core.set_num_threads(threads)
+    cpu_linear.set_num_threads(threads)

@@ -1,42 +1,53 @@
-"""The model's dense blocks, as plain Paddle functions that run eagerly or compiled onto oneDNN.
+"""The model's dense blocks, as plain Paddle functions run one of three ways, chosen by
+measurement on the machine at hand.
 
-Why compile: Paddle's eager CPU ``matmul`` calls MKL, and on a CPU that is not Intel's MKL
-takes its generic path. On this project's AMD EPYC the [8, 512] x [512, 32000] LM head of a
-batch-8 decode step takes 19 ms eagerly (~14 GFLOP/s). Paddle's static-graph executor with
-``FLAGS_use_mkldnn`` runs oneDNN's kernels instead, which are generated for the CPU's own
-instruction set (AVX-512 here): 4 ms for the same product. A compiled call costs 0.3 to
-0.5 ms more than the same eager ops, so a block runs compiled only when its products are
-big enough (``MIN_COMPILED_MACS``, measured here); below that, and for float64, off the
-CPU, on Paddle before 3.0, in a tensor-parallel layer (its all-reduce sits inside the
-block) or with ``PADDLE_STEP_ONEDNN=0``, the same function runs eagerly.
+- ``eager``: the function with ``paddle.matmul`` (MKL on the CPU).
+- ``op``: the same function with this package's CPU op for the products
+  (``layers.cpu_linear``: weights packed once, streamed by AVX-512 / AVX2 kernels chosen at
+  run time from the CPU's flags, on the engine's threads).
+- ``compiled``: the eager function traced by ``paddle.jit.to_static`` and run on Paddle's
+  static executor with ``FLAGS_use_mkldnn`` (oneDNN's kernels, generated for the CPU's
+  instruction set; MKL's generic path on a CPU that is not Intel's is several times
+  slower). A compiled call has a fixed cost of a few tenths of a millisecond.
 
-The same Python function is traced for the compiled program and called for the eager path,
-so the two compute the same expression; they differ only in float rounding (a different
-GEMM's summation order).
+Which one wins depends on the CPU, the thread count, the shape and the number of rows, so
+each block times every way it can run the first time a row count class
+(``padded_rows``) appears, and keeps the fastest for that class (``DenseBlock``).
+``PADDLE_STEP_DENSE`` forces one way where it can run (``eager``, ``op``, ``compiled``;
+default ``auto``); ``PADDLE_STEP_ONEDNN=0`` leaves ``compiled`` out. float64, Paddle before
+3.0 and devices other than the CPU run eagerly.
+
+The same Python function makes all three, so they compute the same expression and differ
+only in float rounding (summation order).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import paddle
 from paddle import nn
 from paddle.static import InputSpec
 
+from . import cpu_linear
+
 if TYPE_CHECKING:
     from ..config import ModelConfig
 
-# Multiply-adds of a call (rows x the block's weight elements) from which it runs
-# compiled: the compiled call's fixed cost is repaid from about there, measured per
-# block on the issue's Llama shape (hidden 512) and on the shipped model's (hidden 128),
-# one thread. One row is a matrix-vector product, which eager MKL does at memory speed:
-# never compiled.
-MIN_COMPILED_MACS = 12_000_000
-
 ENV_SWITCH = "PADDLE_STEP_ONEDNN"
+ENV_METHOD = "PADDLE_STEP_DENSE"
+METHODS = ("eager", "op", "compiled")
+# Timed calls of each way when a row count class first appears (after one untimed call,
+# which traces the compiled program and warms the kernels): the fastest of them counts.
+TIMED_CALLS = 2
+
+logger = logging.getLogger(__name__)
 
 # Row counts up to this go to a compiled program as they are; above it they are padded
 # (``padded_rows``).
@@ -96,8 +107,18 @@ def _copy_if(copy_outputs: bool, x: paddle.Tensor) -> paddle.Tensor:
     return x.clone() if copy_outputs else x
 
 
+# product(x [T, K], weight) -> x @ W [T, N]: paddle.matmul on a [K, N] tensor, or the CPU
+# op on packed weights.
+Product = Callable[[paddle.Tensor, object], paddle.Tensor]
+
+
 def make_attention_inputs(
-    num_heads: int, num_kv_heads: int, head_dim: int, eps: float, copy_outputs: bool = False
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    eps: float,
+    copy_outputs: bool = False,
+    product: Product = paddle.matmul,
 ):
     """``attention_inputs(x, norm_weight, w_qkv, cos, sin[, qkv_bias]) -> (q, k, v)``:
     RMSNorm, the fused q/k/v product, rotary embedding on q and k. ``x`` [T, hidden],
@@ -105,7 +126,7 @@ def make_attention_inputs(
     head_dim]. ``copy_outputs``: for the compiled program (``_copy_if``)."""
 
     def attention_inputs(x, norm_weight, w_qkv, cos, sin, qkv_bias=None):
-        qkv = paddle.matmul(rms_norm(x, norm_weight, eps), w_qkv)
+        qkv = product(rms_norm(x, norm_weight, eps), w_qkv)
         if qkv_bias is not None:
             qkv = qkv + qkv_bias
         qkv = qkv.reshape([-1, num_heads + 2 * num_kv_heads, head_dim])
@@ -118,7 +139,10 @@ def make_attention_inputs(
 
 
 def make_output_and_mlp(
-    eps: float, all_reduce: AllReduceFn | None = None, copy_outputs: bool = False
+    eps: float,
+    all_reduce: AllReduceFn | None = None,
+    copy_outputs: bool = False,
+    product: Product = paddle.matmul,
 ):
     """``output_and_mlp(x, attn, w_o, norm_weight, w_gate_up, w_down[, o_bias]) -> x``:
     the attention output projection and its residual, RMSNorm, SwiGLU and its residual.
@@ -129,26 +153,30 @@ def make_output_and_mlp(
         return x if all_reduce is None else all_reduce(x)
 
     def output_and_mlp(x, attn, w_o, norm_weight, w_gate_up, w_down, o_bias=None):
-        out = reduced(paddle.matmul(attn, w_o))
+        out = reduced(product(attn, w_o))
         if o_bias is not None:
             out = out + o_bias
         x = x + out
-        gate, up = paddle.split(paddle.matmul(rms_norm(x, norm_weight, eps), w_gate_up), 2, axis=1)
-        out = x + reduced(paddle.matmul(nn.functional.silu(gate) * up, w_down))
+        gate, up = paddle.split(product(rms_norm(x, norm_weight, eps), w_gate_up), 2, axis=1)
+        out = x + reduced(product(nn.functional.silu(gate) * up, w_down))
         return _copy_if(copy_outputs, out)
 
     return output_and_mlp
 
 
-def make_logits(eps: float, tied: bool, copy_outputs: bool = False):
+def make_logits(eps: float, copy_outputs: bool = False, product: Product = paddle.matmul):
     """``logits(hidden, norm_weight, weight) -> [T, vocab]``: the final RMSNorm and the LM
-    head (``weight`` [hidden, vocab], or the [vocab, hidden] embedding when ``tied``)."""
+    head (``product`` reads the tied [vocab, hidden] embedding transposed)."""
 
     def logits(hidden, norm_weight, weight):
-        out = paddle.matmul(rms_norm(hidden, norm_weight, eps), weight, transpose_y=tied)
+        out = product(rms_norm(hidden, norm_weight, eps), weight)
         return _copy_if(copy_outputs, out)
 
     return logits
+
+
+def _on_cpu_in_float32(dtype: str) -> bool:
+    return dtype == "float32" and paddle.get_device() == "cpu"
 
 
 def onednn_available(dtype: str) -> bool:
@@ -160,11 +188,23 @@ def onednn_available(dtype: str) -> bool:
     major = paddle.__version__.split(".")[0]
     return (
         switch == "1"
-        and dtype == "float32"
+        and _on_cpu_in_float32(dtype)
         and (major == "0" or int(major) >= 3)  # 0.0.0 is a development build
-        and paddle.get_device() == "cpu"
         and paddle.base.core.is_compiled_with_mkldnn()
     )
+
+
+def op_available(dtype: str) -> bool:
+    """Whether the CPU op can run the products: float32 activations on the CPU."""
+    return _on_cpu_in_float32(dtype)
+
+
+def forced_method() -> str | None:
+    """The way ``PADDLE_STEP_DENSE`` forces, or None for ``auto`` (measure)."""
+    value = os.environ.get(ENV_METHOD, "auto")
+    if value != "auto" and value not in METHODS:
+        raise ValueError(f"{ENV_METHOD} must be 'auto' or one of {METHODS}, got {value!r}")
+    return None if value == "auto" else value
 
 
 @contextlib.contextmanager
@@ -179,11 +219,30 @@ def _onednn_kernels() -> Iterator[None]:
         paddle.set_flags({"FLAGS_use_mkldnn": previous})
 
 
+class DenseWeight(NamedTuple):
+    """One product's weight in the forms the ways read: ``tensor`` for ``paddle.matmul``
+    ([K, N]; the tied LM head's [vocab, hidden] embedding, read transposed), ``packed`` for
+    the CPU op (None where it does not run)."""
+
+    tensor: paddle.Tensor
+    packed: cpu_linear.PackedWeights | None
+
+    @classmethod
+    def of(cls, tensor: paddle.Tensor, with_op: bool, transposed: bool = False) -> DenseWeight:
+        """``tensor`` with its packed copy when ``with_op`` (packed from [K, N])."""
+        if not with_op:
+            return cls(tensor, None)
+        return cls(tensor, cpu_linear.pack_float32(tensor.T.contiguous() if transposed else tensor))
+
+
 class DenseBlock:
-    """One of the blocks above (``make(copy_outputs)`` builds its function), called eagerly,
-    or compiled when ``compile`` and its first argument has at least ``min_rows`` rows:
-    2, or enough that rows x ``macs_per_row`` reaches ``MIN_COMPILED_MACS``. A compiled
-    call pads its per-row arguments to ``padded_rows`` and returns the real rows.
+    """One of the blocks above, run the fastest way measured for each row count class.
+
+    ``make(copy_outputs, product)`` builds its function; ``weights``: the positions of its
+    ``DenseWeight`` arguments; ``methods``: the ways it may run here. A compiled call pads
+    its per-row arguments to ``padded_rows`` and returns the real rows. ``agree`` (a
+    tensor-parallel all-reduce) sums the timings over the ranks, so every rank keeps the
+    same way (a replicated product computed two ways could round differently).
 
     ``input_spec``: one ``InputSpec`` per tensor argument, leading dimension None for the
     per-row ones (the program is traced once, at its first compiled call).
@@ -191,24 +250,45 @@ class DenseBlock:
 
     def __init__(
         self,
-        make: Callable[[bool], Callable],
+        name: str,
+        make: Callable[[bool, Product], Callable],
         input_spec: list[InputSpec],
-        macs_per_row: int,
-        compile: bool,
+        weights: Sequence[int],
+        methods: Sequence[str],
+        tied: bool = False,
+        agree: AllReduceFn | None = None,
     ) -> None:
-        self.function = make(False)
-        self.min_rows = max(2, -(-MIN_COMPILED_MACS // macs_per_row))
+        self.name = name
+        self.weights = frozenset(weights)
         self.per_row = [spec.shape[0] == -1 for spec in input_spec]  # None reads as -1
-        self.compiled = (
-            paddle.jit.to_static(make(True), input_spec=input_spec, full_graph=True)
-            if compile
-            else None
-        )
+        self.agree = agree
+        matmul = functools.partial(paddle.matmul, transpose_y=True) if tied else paddle.matmul
+        self._functions = {"eager": make(False, matmul)}
+        if "op" in methods:
+            self._functions["op"] = make(False, cpu_linear.linear)
+        if "compiled" in methods:
+            self._functions["compiled"] = paddle.jit.to_static(
+                make(True, matmul), input_spec=input_spec, full_graph=True
+            )
+        forced = forced_method()
+        self.forced = forced if forced in self._functions else None
+        self.choice: dict[int, str] = {}  # padded row count -> way
+        self.timings: dict[int, dict[str, float]] = {}  # padded row count -> way -> seconds
 
-    def __call__(self, *args):
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The ways this block may run here."""
+        return tuple(self._functions)
+
+    def run(self, method: str, *args):
+        """The block's outputs computed ``method``'s way."""
+        if method == "op":
+            args = [arg.packed if i in self.weights else arg for i, arg in enumerate(args)]
+            return self._functions["op"](*args)
+        args = [arg.tensor if i in self.weights else arg for i, arg in enumerate(args)]
+        if method == "eager":
+            return self._functions["eager"](*args)
         rows = args[0].shape[0]
-        if self.compiled is None or rows < self.min_rows:
-            return self.function(*args)
         padded = padded_rows(rows)
         if padded != rows:
             args = [
@@ -216,12 +296,50 @@ class DenseBlock:
                 for arg, per_row in zip(args, self.per_row)
             ]
         with _onednn_kernels():
-            outputs = self.compiled(*args)
+            outputs = self._functions["compiled"](*args)
         if padded == rows:
             return outputs
         if isinstance(outputs, tuple):
             return tuple(output[:rows] for output in outputs)
         return outputs[:rows]
+
+    def __call__(self, *args):
+        if len(self._functions) == 1:
+            return self.run("eager", *args)
+        if self.forced is not None:
+            return self.run(self.forced, *args)
+        rows_class = padded_rows(args[0].shape[0])
+        method = self.choice.get(rows_class)
+        if method is not None:
+            return self.run(method, *args)
+        return self._measure(rows_class, args)
+
+    def _measure(self, rows_class: int, args):
+        """Times every way on ``args``, keeps the fastest for ``rows_class``, returns its
+        outputs."""
+        outputs, best = {}, []
+        for method in self._functions:
+            outputs[method] = self.run(method, *args)  # warms up (and traces) first
+            times = []
+            for _ in range(TIMED_CALLS):
+                started = time.perf_counter()
+                outputs[method] = self.run(method, *args)
+                times.append(time.perf_counter() - started)
+            best.append(min(times))
+        if self.agree is not None:
+            best = self.agree(paddle.to_tensor(best, dtype="float64")).numpy().tolist()
+        timings = dict(zip(self._functions, best))
+        method = min(timings, key=timings.get)
+        self.choice[rows_class] = method
+        self.timings[rows_class] = timings
+        logger.info(
+            "%s, %d rows: %s -> %s",
+            self.name,
+            rows_class,
+            ", ".join(f"{m} {t * 1e3:.3f} ms" for m, t in timings.items()),
+            method,
+        )
+        return outputs[method]
 
 
 class ModelBlocks(NamedTuple):
@@ -231,11 +349,20 @@ class ModelBlocks(NamedTuple):
     output_and_mlp: DenseBlock  # (x, attn, w_o, norm_weight, w_gate_up, w_down[, o_bias])
     logits: DenseBlock  # (hidden, norm_weight, lm_head or tied embedding)
 
+    @property
+    def use_op(self) -> bool:
+        """Whether the layers must hand the blocks packed weights too."""
+        return any("op" in block.methods for block in self)
+
 
 def model_blocks(config: ModelConfig, all_reduce: AllReduceFn | None = None) -> ModelBlocks:
     """The blocks for a model built from ``config`` (one tensor-parallel rank's config
     when ``all_reduce`` is given: that rank's head counts and intermediate size)."""
-    compile = onednn_available(config.dtype)
+    methods = ["eager"]
+    if op_available(config.dtype):
+        methods.append("op")
+    if onednn_available(config.dtype):
+        methods.append("compiled")
     hidden, head_dim, eps = config.hidden_size, config.head_dim, config.rms_eps
     q_width = config.num_heads * head_dim
     qkv_width = q_width + 2 * config.num_kv_heads * head_dim
@@ -250,17 +377,20 @@ def model_blocks(config: ModelConfig, all_reduce: AllReduceFn | None = None) -> 
     rows = None  # any number of tokens
     return ModelBlocks(
         attention_inputs=DenseBlock(
-            lambda copy: make_attention_inputs(
-                config.num_heads, config.num_kv_heads, head_dim, eps, copy
+            "attention_inputs",
+            lambda copy, product: make_attention_inputs(
+                config.num_heads, config.num_kv_heads, head_dim, eps, copy, product
             ),
             [spec(rows, hidden), spec(hidden), spec(hidden, qkv_width)]
             + [spec(rows, 1, head_dim)] * 2
             + ([spec(qkv_width)] if config.qkv_bias else []),
-            hidden * qkv_width,
-            compile,
+            weights=[2],
+            methods=methods,
+            agree=all_reduce,
         ),
         output_and_mlp=DenseBlock(
-            lambda copy: make_output_and_mlp(eps, all_reduce, copy),
+            "output_and_mlp",
+            lambda copy, product: make_output_and_mlp(eps, all_reduce, copy, product),
             [
                 spec(rows, hidden),
                 spec(rows, q_width),
@@ -270,13 +400,18 @@ def model_blocks(config: ModelConfig, all_reduce: AllReduceFn | None = None) -> 
                 spec(intermediate, hidden),
             ]
             + ([spec(hidden)] if config.o_proj_bias else []),
-            (q_width + 3 * intermediate) * hidden,
-            compile and all_reduce is None,  # the all-reduce runs between its products
+            weights=[2, 4, 5],
+            # The all-reduce runs between its products: not in a compiled program.
+            methods=[m for m in methods if all_reduce is None or m != "compiled"],
+            agree=all_reduce,
         ),
         logits=DenseBlock(
-            lambda copy: make_logits(eps, config.tie_word_embeddings, copy),
+            "logits",
+            lambda copy, product: make_logits(eps, copy, product),
             [spec(rows, hidden), spec(hidden), spec(*vocab_shape)],
-            hidden * config.vocab_size,
-            compile,
+            weights=[2],
+            methods=methods,
+            tied=config.tie_word_embeddings,
+            agree=all_reduce,
         ),
     )

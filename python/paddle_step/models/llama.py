@@ -26,7 +26,7 @@ import paddle
 from paddle import nn
 
 from ..config import ModelConfig
-from ..layers.dense_blocks import AllReduceFn, ModelBlocks, model_blocks
+from ..layers.dense_blocks import AllReduceFn, DenseWeight, ModelBlocks, model_blocks
 from ..layers.paged_attention import (
     KeptSlots,
     PagedKVCache,
@@ -136,28 +136,33 @@ class DecoderLayer(nn.Layer):
         self.w_gate = linear("w_gate", hidden, config.intermediate_size)
         self.w_up = linear("w_up", hidden, config.intermediate_size)
         self.w_down = linear("w_down", config.intermediate_size, hidden)
-        self._fused = None
+        self._dense = None
 
-    def _fused_weights(self) -> tuple[paddle.Tensor, paddle.Tensor | None, paddle.Tensor]:
-        """``[wq | wk | wv]`` (with their biases) and ``[w_gate | w_up]``, concatenated on
-        first use: one matmul instead of three and one instead of two, fewer eager ops per
-        layer. Copies, made after construction (so after any sharding), while the
-        parameters keep their names for checkpoints."""
-        if self._fused is None:
+    def _dense_weights(self) -> tuple[DenseWeight, paddle.Tensor | None, DenseWeight, DenseWeight,
+                                      DenseWeight]:  # fmt: skip
+        """``[wq | wk | wv]`` (with their biases concatenated), ``wo``, ``[w_gate | w_up]``
+        and ``w_down`` as the blocks take them, made on first use: one product instead of
+        three and one instead of two; copies made after construction (so after any
+        sharding), while the parameters keep their names for checkpoints. With the CPU op,
+        each also packed once for it."""
+        if self._dense is None:
+            with_op = self.blocks.use_op
             biases = (self.q_bias, self.k_bias, self.v_bias)
-            self._fused = (
-                paddle.concat([self.wq, self.wk, self.wv], axis=1),
+            self._dense = (
+                DenseWeight.of(paddle.concat([self.wq, self.wk, self.wv], axis=1), with_op),
                 None if self.q_bias is None else paddle.concat(biases),
-                paddle.concat([self.w_gate, self.w_up], axis=1),
+                DenseWeight.of(self.wo, with_op),
+                DenseWeight.of(paddle.concat([self.w_gate, self.w_up], axis=1), with_op),
+                DenseWeight.of(self.w_down, with_op),
             )
-        return self._fused
+        return self._dense
 
     def forward(
         self, x: paddle.Tensor, rope: tuple[paddle.Tensor, paddle.Tensor], attend: AttendFn
     ) -> paddle.Tensor:
         """``x`` [T, hidden]; ``rope`` = (cos, sin) [T, 1, head_dim] for each token's
         position."""
-        w_qkv, qkv_bias, w_gate_up = self._fused_weights()
+        w_qkv, qkv_bias, w_o, w_gate_up, w_down = self._dense_weights()
         cos, sin = rope
         q, k, v = self.blocks.attention_inputs(
             x, self.attn_norm.weight, w_qkv, cos, sin, *_present(qkv_bias)
@@ -165,10 +170,10 @@ class DecoderLayer(nn.Layer):
         return self.blocks.output_and_mlp(
             x,
             attend(q, k, v),
-            self.wo,
+            w_o,
             self.mlp_norm.weight,
             w_gate_up,
-            self.w_down,
+            w_down,
             *_present(self.o_bias),
         )
 
@@ -247,6 +252,7 @@ class LlamaForCausalLM(nn.Layer):
             if config.tie_word_embeddings
             else parameter("lm_head", [hidden, vocab], _scaled_normal(hidden, vocab))
         )
+        self._lm_head = None  # DenseWeight of the LM head, made on first use
         if weights is not None:
             unused = sorted(set(weights) - {name for name, _ in self.named_parameters()})
             if unused:
@@ -324,8 +330,11 @@ class LlamaForCausalLM(nn.Layer):
 
     def _logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """Logits [N, vocab] of hidden states [N, hidden] from ``_run_layers``."""
-        head = self.embed if self.lm_head is None else self.lm_head
-        return self.blocks.logits(hidden, self.final_norm.weight, head)
+        if self._lm_head is None:
+            tied = self.lm_head is None
+            head = self.embed if tied else self.lm_head
+            self._lm_head = DenseWeight.of(head, self.blocks.use_op, transposed=tied)
+        return self.blocks.logits(hidden, self.final_norm.weight, self._lm_head)
 
     def _naive_hidden(self, sequence: Sequence[int]) -> paddle.Tensor:
         """Hidden states [len(sequence), hidden] of one whole sequence, no cache (before the
