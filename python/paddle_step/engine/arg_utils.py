@@ -12,6 +12,7 @@ sequence that long, it is reduced to what fits and a line on stderr says so.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 from dataclasses import dataclass
@@ -88,6 +89,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPU threads for the model's math (default: the cores this process may run "
         "on, divided among the --tp ranks)",
     )
+    group.add_argument(
+        "--explain-dense",
+        action="store_true",
+        help="print on stderr how each dense block runs for each row count (eager, the CPU "
+        "op or compiled: the fastest, timed the first time the row count appears)",
+    )
     group.add_argument("--seed", type=int, default=0, help="sampling (and random weights)")
     group.add_argument(
         "--check-state",
@@ -127,6 +134,8 @@ def load_model(args: argparse.Namespace) -> LoadedModel:
     checkpoint it cannot load, ``ValueError`` for a ``--tp`` that does not fit."""
     from ..distributed.tensor_parallel import init_tensor_parallel, shard_model
 
+    if args.explain_dense:
+        explain_dense()
     group = init_tensor_parallel(args.tp)
     if args.model == RANDOM_MODEL:
         from ..config import ModelConfig
@@ -211,6 +220,17 @@ def engine_config(args: argparse.Namespace, context_len: int) -> EngineConfig:
         decoder_pool_ratio=ratio,
         threads=args.threads or default_threads(args.tp),
     )
+
+
+def explain_dense() -> None:
+    """Shows the dense blocks' choices (``layers.dense_blocks`` logs them) on stderr."""
+    logger = logging.getLogger("paddle_step.layers.dense_blocks")
+    if not any(getattr(h, "explains_dense", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("dense: %(message)s"))
+        handler.explains_dense = True
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 def build_engine(args: argparse.Namespace, loaded: LoadedModel | None = None):
