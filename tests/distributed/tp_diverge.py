@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import generate  # noqa: E402
 
 DIVERGE_AFTER_STEP = 3

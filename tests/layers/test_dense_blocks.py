@@ -298,7 +298,7 @@ def test_explain_dense_prints_the_choices() -> None:
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "examples" / "generate.py"
+    script = Path(__file__).resolve().parents[2] / "examples" / "generate.py"
     command = [sys.executable, str(script), "--model", "random", "--num-requests", "2"]
     command += ["--max-new-tokens", "3", "--explain-dense", "--json"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True)

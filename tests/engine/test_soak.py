@@ -2,7 +2,7 @@
 lengths, output limits and eos stops, check_state after every step; every
 request finishes with the tokens of the naive full-recompute decode.
 
-`pytest tests/test_soak.py --soak-steps 10000` runs the long version; CI runs
+`pytest tests/engine/test_soak.py --soak-steps 10000` runs the long version; CI runs
 the default, bounded to about a minute.
 """
 

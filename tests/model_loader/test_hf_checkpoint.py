@@ -23,7 +23,7 @@ from paddle_step.model_loader.weights import read_safetensors
 from paddle_step.models.llama import LlamaForCausalLM
 from paddle_step.tokenizer.hf import HFTokenizer
 
-DATA = Path(__file__).parent / "data" / "hf-tiny"
+DATA = Path(__file__).resolve().parents[1] / "data" / "hf-tiny"
 GOLDEN = json.loads((DATA / "golden.json").read_text())
 MODELS = ("llama-tiny", "qwen2-tiny")
 NEW_TOKENS = 40

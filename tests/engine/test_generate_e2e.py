@@ -17,7 +17,7 @@ from paddle_step.engine.llm_engine import Engine
 from paddle_step.engine.naive import generate_naive
 from paddle_step.models.llama import LlamaForCausalLM
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NUM_REQUESTS = 18
 MAX_MODEL_LEN = 56
 BLOCK_SIZE = 4

@@ -24,7 +24,7 @@ from paddle_step.engine.arg_utils import build_engine
 from paddle_step.entrypoints.openai import cli as serve
 from paddle_step.testing.server_process import server_process
 
-GOLDEN_LLAMA = Path(__file__).parent / "data" / "hf-tiny" / "llama-tiny"
+GOLDEN_LLAMA = Path(__file__).resolve().parents[2] / "data" / "hf-tiny" / "llama-tiny"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"

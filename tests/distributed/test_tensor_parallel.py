@@ -25,7 +25,7 @@ from paddle_step.engine.arg_utils import build_engine
 from paddle_step.entrypoints.openai.cli import parse_args as serve_parse_args
 from paddle_step.model_loader.loader import load_checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHECKPOINTS = REPO / "tests" / "data" / "hf-tiny"
 LAUNCH_TIMEOUT_S = 120
 # Two processes on a tight budget: 8 slots share a 16-block decoder pool (one full
@@ -119,7 +119,7 @@ def test_tp2_sampling_equals_tp1(tmp_path):
 
 def test_check_ranks_names_the_tensor_that_diverged(tmp_path):
     args = ("--model", str(CHECKPOINTS / "llama-tiny"), *TIGHT, "--check-ranks")
-    completed = launch(REPO / "tests" / "tp_diverge.py", *args, log_dir=tmp_path / "log")
+    completed = launch(REPO / "tests" / "distributed" / "tp_diverge.py", *args, log_dir=tmp_path / "log")
     assert completed.returncode != 0
     message = (
         "--check-ranks: after step 3: tensor 'free_list' differs between rank 0 and rank(s) [1]"

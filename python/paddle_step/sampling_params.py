@@ -1,0 +1,115 @@
+"""SamplingParams: everything a request asks of decoding, carried as one object from the
+API to the sampler (as vLLM's). No paddle: the HTTP front end builds these.
+
+Logprobs are of the model's own distribution (log-softmax of the raw logits) before any
+sampling control (penalties, bias, top-k/top-p/min-p, temperature, constraints) is
+applied, as vLLM reports them by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+__all__ = ["MAX_LOGPROBS", "SamplingParams", "TokenConstraint"]
+
+# The most top-logprob alternatives a request may ask for per position (OpenAI's
+# completions API allows 5, chat's top_logprobs 20).
+MAX_LOGPROBS = 20
+
+
+class TokenConstraint(Protocol):
+    """A per-request restriction of the next token (structured output): the engine asks
+    for the allowed set before each sampled token of the request and reports the token
+    it sampled. One object per request; it keeps its own state."""
+
+    def allowed_tokens(self, vocab_size: int) -> np.ndarray | None:
+        """A bool [vocab_size] mask of the tokens allowed next; None allows all."""
+
+    def accept_token(self, token_id: int) -> None:
+        """Advances past the sampled token."""
+
+    def is_finished(self) -> bool:
+        """True when the constraint admits nothing more (the request then stops)."""
+
+
+def _check(condition: bool, name: str, expected: str, value) -> None:
+    if not condition:
+        raise ValueError(f"SamplingParams: argument '{name}': expected {expected}, got {value!r}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How one request decodes.
+
+    ``temperature`` 0 is greedy. ``top_k`` 0 keeps every token; ``min_p`` drops tokens
+    whose probability is under ``min_p`` times the most likely one's. ``presence_penalty``
+    and ``frequency_penalty`` follow OpenAI's definitions over the generated tokens;
+    ``repetition_penalty`` follows vLLM's (over prompt and generated tokens: positive
+    logits divided, negative multiplied). ``logit_bias`` adds to the logits of token ids.
+    ``min_tokens``: eos and ``stop_token_ids`` are masked until that many tokens exist.
+    ``eos_token_id`` None means the engine's eos ids, ``[]`` none (ignore eos).
+    ``seed`` keys the request's draws (same seed, same tokens, whatever the batch).
+    ``logprobs`` k: the sampled token's logprob and the k most likely alternatives per
+    generated position; ``prompt_logprobs`` k: the same for each prompt position after the
+    first. ``n`` samples are returned of ``best_of`` (>= n) drawn. ``constraint``
+    restricts the next token (structured output).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    eos_token_id: int | list[int] | None = None
+    seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    n: int = 1
+    best_of: int | None = None
+    constraint: TokenConstraint | None = None
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 0, "max_tokens",
+               "an int >= 0", self.max_tokens)
+        _check(self.temperature >= 0.0, "temperature", ">= 0", self.temperature)
+        _check(0.0 < self.top_p <= 1.0, "top_p", "a value in (0, 1]", self.top_p)
+        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k",
+               "an int >= 0 (0 or -1: off)", self.top_k)
+        _check(0.0 <= self.min_p <= 1.0, "min_p", "a value in [0, 1]", self.min_p)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2.0 <= value <= 2.0, name, "a value in [-2, 2]", value)
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", "> 0",
+               self.repetition_penalty)
+        _check(all(_is_int(token) for token in self.logit_bias), "logit_bias",
+               "a map of token ids to biases", self.logit_bias)
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens, "min_tokens",
+               "an int >= 0", self.min_tokens)
+        _check(all(_is_int(token) for token in self.stop_token_ids), "stop_token_ids",
+               "a list of token ids", self.stop_token_ids)
+        _check(self.seed is None or _is_int(self.seed), "seed", "None or an int", self.seed)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
+                   f"None or an int in [0, {MAX_LOGPROBS}]", value)
+        _check(_is_int(self.n) and self.n >= 1, "n", "an int >= 1", self.n)
+        _check(self.best_of is None or (_is_int(self.best_of) and self.best_of >= self.n),
+               "best_of", f"None or an int >= n ({self.n})", self.best_of)
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is the argmax (temperature 0)."""
+        return self.temperature == 0.0
