@@ -250,8 +250,10 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     write_checkpoint(args.out_dir, args.shape, args.arch, args.dtype, args.seed)
-    print(f"wrote {args.out_dir} ({args.shape}, {args.arch}, {args.dtype}, seed {args.seed})",
-          file=sys.stderr)
+    print(
+        f"wrote {args.out_dir} ({args.shape}, {args.arch}, {args.dtype}, seed {args.seed})",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":
