@@ -8,10 +8,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-
-import httpx
 
 __all__ = ["free_port", "server_process"]
 
@@ -54,7 +54,9 @@ def server_process(flags: Sequence[str] = (), timeout_s: float = 120.0) -> Itera
 
 
 def _healthy(url: str) -> bool:
+    # urllib, not httpx: an install check runs this where only the runtime packages are.
     try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.TransportError:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
+            return answer.status == 200
+    except (urllib.error.URLError, OSError):
         return False

@@ -11,6 +11,7 @@ folder's name unless ``--served-model-name`` says otherwise; the engine flags ar
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 
@@ -21,7 +22,23 @@ from ...engine.arg_utils import (
 )
 from ...engine.core_client import EngineLoop
 
-__all__ = ["build_app", "main", "parse_args"]
+__all__ = ["build_app", "main", "missing_serving_packages", "parse_args"]
+
+# The serving stack (requirements.txt): module -> distribution to pip-install.
+SERVING_PACKAGES = {
+    "fastapi": "fastapi",
+    "uvicorn": "uvicorn",
+    "prometheus_client": "prometheus-client",
+}
+
+
+def missing_serving_packages() -> list[str]:
+    """The distributions of the serving stack that cannot be imported."""
+    return [
+        dist
+        for module, dist in SERVING_PACKAGES.items()
+        if importlib.util.find_spec(module) is None
+    ]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,6 +79,12 @@ def build_app(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> None:
+    missing = missing_serving_packages()
+    if missing:
+        raise SystemExit(
+            f"paddle_step.serve: the serving stack is not installed ({', '.join(missing)}); "
+            f"run `{sys.executable} -m pip install {' '.join(missing)}`"
+        )
     args = parse_args(argv)
     # With --tp > 1 (under paddle.distributed.launch) rank 0 serves HTTP; every rank runs
     # an engine process, and rank 0's hands the others each batch of requests.
