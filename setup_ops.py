@@ -64,18 +64,18 @@ def is_installed(name):
     return True
 
 
-def install_runtime_requirements():
-    """pip-installs requirements.txt when any of it is missing; exits with the command to
-    run by hand when pip fails (no registry reachable, say)."""
-    missing = [name for name in requirement_names(REQUIREMENTS) if not is_installed(name)]
+def install_runtime_requirements(path):
+    """pip-installs the requirements file ``path`` when any of it is missing; exits with
+    the command to run by hand when pip fails (no registry reachable, say)."""
+    missing = [name for name in requirement_names(path) if not is_installed(name)]
     if not missing:
         return
-    command = [sys.executable, "-m", "pip", "install", "-r", REQUIREMENTS]
+    command = [sys.executable, "-m", "pip", "install", "-r", path]
     print(f"paddle_step: installing the runtime dependencies ({', '.join(missing)}): "
           + " ".join(command), flush=True)
     if subprocess.call(command) != 0:
         sys.exit(f"paddle_step: could not install {', '.join(missing)}; run "
-                 f"`{sys.executable} -m pip install -r {REQUIREMENTS}` where a package index "
+                 f"`{sys.executable} -m pip install -r {path}` where a package index "
                  "is reachable, then `python setup_ops.py install` again")
 
 
@@ -137,32 +137,41 @@ def make_extension():
     )
 
 
-class InstallLibWithoutBuildTree(install_lib):
-    """Paddle's build_ext writes the object files under build_lib/build/ and deletes them
-    after linking, leaving empty folders that would install as a package named `build`
-    (shadowing PyPA's); this drops that empty tree before the copy."""
+class CleanInstallLib(install_lib):
+    """Installs the package as the sources are now: a module removed or moved since the
+    last install would otherwise stay importable from site-packages. Also drops the empty
+    folders Paddle's build_ext leaves under build_lib/build/ (it writes the object files
+    there and deletes them after linking), which would install as a package named
+    `build`, shadowing PyPA's."""
 
     def run(self):
         tree = os.path.join(self.build_dir, "build")
         if os.path.isdir(tree) and not any(files for _, _, files in os.walk(tree)):
             shutil.rmtree(tree)
+        installed = os.path.join(self.install_dir, "paddle_step")
+        if os.path.isdir(installed):
+            shutil.rmtree(installed)
         super().run()
 
 
-if {"install", "develop"} & set(sys.argv[1:]):
-    install_runtime_requirements()
+def main():
+    if {"install", "develop"} & set(sys.argv[1:]):
+        install_runtime_requirements(REQUIREMENTS)
+    setup(
+        name=LIBRARY_NAME,
+        version="0.1.0",
+        ext_modules=make_extension(),
+        cmdclass={"install_lib": CleanInstallLib},
+        # paddle_step.layers may have no __init__.py yet (a namespace package), which
+        # find_packages skips.
+        packages=sorted(set(find_packages("python")) | {"paddle_step.layers"}),
+        package_dir={"": "python"},
+        # The shipped default model (weights, tokenizer, configs) travels with the package.
+        package_data={"paddle_step": ["assets/*/*.json", "assets/*/*.safetensors", "assets/*.md"]},
+        # No install_requires: install_runtime_requirements() has run pip (see the docstring).
+        # Nor paddle: it comes as paddlepaddle or paddlepaddle-gpu (one name per build).
+    )
 
-setup(
-    name=LIBRARY_NAME,
-    version="0.1.0",
-    ext_modules=make_extension(),
-    cmdclass={"install_lib": InstallLibWithoutBuildTree},
-    # paddle_step.layers may have no __init__.py yet (a namespace package), which
-    # find_packages skips.
-    packages=sorted(set(find_packages("python")) | {"paddle_step.layers"}),
-    package_dir={"": "python"},
-    # The shipped default model (weights, tokenizer, configs) travels with the package.
-    package_data={"paddle_step": ["assets/*/*.json", "assets/*/*.safetensors", "assets/*.md"]},
-    # No install_requires: install_runtime_requirements() has run pip (see the docstring).
-    # Nor paddle: it comes as paddlepaddle or paddlepaddle-gpu (one name per build).
-)
+
+if __name__ == "__main__":
+    main()
