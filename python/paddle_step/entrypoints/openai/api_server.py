@@ -21,7 +21,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from ...engine.core_client import EngineLoop, RequestHandle, SamplingParams
+from ...engine.core_client import (
+    EngineLoop,
+    EngineUnavailable,
+    RequestError,
+    RequestHandle,
+    SamplingParams,
+)
 from ...tokenizer.detokenizer import IncrementalDetokenizer
 from .metrics import metrics_registry
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest
@@ -76,10 +82,9 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = loop.healthy
-        return JSONResponse(
-            {"status": "ok" if ok else "engine failed"}, status_code=200 if ok else 503
-        )
+        if loop.healthy:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable", "reason": loop.refusal}, status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -157,7 +162,10 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
     async def respond(
         request: Request, body, handle: RequestHandle, text: TextStream, fmt: _Format
     ) -> Response:
-        loop.submit(handle)
+        try:
+            loop.submit(handle)
+        except EngineUnavailable as error:
+            raise ApiError(str(error), status=503, kind="service_unavailable") from None
         fmt.start(model_name, len(handle.prompt_ids))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -171,10 +179,16 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
         finally:
             _abort_unless_done(loop, handle)
         if fmt.error is not None:
-            raise ApiError(fmt.error, status=500, kind="server_error")
+            raise _api_error(fmt.error)
         return JSONResponse(fmt.whole("".join(pieces), fmt.finish_reason, text.num_tokens))
 
     return app
+
+
+def _api_error(error: RequestError) -> ApiError:
+    if error.unavailable:  # the engine failed or the server is shutting down
+        return ApiError(error.message, status=503, kind="service_unavailable")
+    return ApiError(error.message)
 
 
 def _abort_unless_done(loop: EngineLoop, handle: RequestHandle) -> None:
@@ -229,7 +243,7 @@ async def _sse(
             if delta:
                 yield fmt.text_event(delta)
         if fmt.error is not None:
-            yield _event(ApiError(fmt.error, status=500, kind="server_error").body())
+            yield _event(_api_error(fmt.error).body())
         else:
             yield _event(fmt.chunk("", fmt.finish_reason))
             if include_usage:
@@ -255,7 +269,7 @@ class _Format:
         self.model = model_name
         self.prompt_tokens = prompt_tokens
         self.finish_reason: str | None = None
-        self.error: str | None = None
+        self.error: RequestError | None = None
         self._text_event_parts: list[str] | None = None
 
     def text_event(self, delta: str) -> str:
