@@ -205,7 +205,7 @@ def test_sigterm_ends_requests_still_running_after_the_shutdown_timeout():
             assert lines[-1] == "[DONE]", lines[-3:]
             check_error(json.loads(lines[-2]), 503)
             assert drain_s - 0.5 < ended_at - sent_at < drain_s + END_WITHIN_S
-        for response, ended_at in wholes:
+        for response, _ended_at in wholes:
             assert response.status_code == 503, response.text
             check_error(response.json(), 503)
         assert server.process.wait(60) in (0, -signal.SIGTERM)
