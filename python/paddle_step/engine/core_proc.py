@@ -56,6 +56,7 @@ def run_engine(args: argparse.Namespace, commands, events) -> None:
     group = loaded.tensor_parallel
     leader = group is None or group.rank == 0
     info = {"name": loaded.name, "max_model_len": config.max_model_len,
+            "max_batch": config.max_batch,
             "vocab_size": loaded.model.config.vocab_size,
             "kv_total_blocks": config.num_decoder_blocks,
             "kv_encoder_total_blocks": config.num_encoder_blocks,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import os
 import sys
 import threading
@@ -49,11 +50,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="on SIGTERM, how long running requests may go on before they end with an "
         "error (seconds; new requests are refused at once)",
     )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("PADDLE_STEP_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $PADDLE_STEP_API_KEY; "
+        "/health and /metrics stay open)",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=1 << 20,
+        help="the largest request body taken (bytes; larger ones get 413)",
+    )
+    parser.add_argument(
+        "--max-waiting",
+        type=int,
+        default=1024,
+        help="requests that may wait for a batch slot; more get 429 with Retry-After",
+    )
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
     check_engine_arguments(parser, args)
     if not args.shutdown_timeout >= 0:
         parser.error(f"argument --shutdown-timeout: expected >= 0, got {args.shutdown_timeout}")
+    for name in ("max_request_bytes", "max_waiting"):
+        if getattr(args, name) < 1:
+            flag = "--" + name.replace("_", "-")
+            parser.error(f"argument {flag}: expected an integer >= 1, got {getattr(args, name)}")
+    if args.api_key == "":
+        parser.error("argument --api-key: expected a non-empty key, got ''")
     return args
 
 
@@ -75,7 +100,30 @@ def build_app(args: argparse.Namespace):
         f"engine process {loop.pid}",
         file=sys.stderr,
     )
-    return create_app(loop, tokenizer, name), loop
+    if args.api_key is None and not _is_loopback(args.host):
+        print(
+            f"paddle_step.serve: WARNING: serving on {args.host} without --api-key: anyone "
+            "who can reach this address can use the model",
+            file=sys.stderr,
+        )
+    app = create_app(
+        loop,
+        tokenizer,
+        name,
+        api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes,
+        max_waiting=args.max_waiting,
+    )
+    return app, loop
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
 
 
 def main(argv: list[str] | None = None) -> None:
