@@ -205,7 +205,7 @@ def run_in_own_group(command: list, env: dict, log_base: Path):
     """Runs ``command`` in a new process group with its output in files, waits for it,
     then ends what is left of the group: vLLM's engine processes can outlive the worker.
     Returns (exit status or None on timeout, stdout, stderr)."""
-    out_path, err_path = log_base.with_suffix(".out"), log_base.with_suffix(".err")
+    out_path, err_path = Path(f"{log_base}.out"), Path(f"{log_base}.err")
     with open(out_path, "w") as out, open(err_path, "w") as err:
         process = subprocess.Popen(
             command, stdout=out, stderr=err, env=env, cwd=ROOT, start_new_session=True
@@ -251,7 +251,7 @@ def run_worker(
         )
     started = time.time()
     returncode, stdout, stderr = run_in_own_group(
-        [python, str(HERE / WORKERS[engine]), str(job_file)], env, job_file.with_suffix("")
+        [python, str(HERE / WORKERS[engine]), str(job_file)], env, job_file.parent / job_file.stem
     )
     if returncode is None:
         return {**base, "skipped": f"worker timed out after {WORKER_TIMEOUT_S} s"}
