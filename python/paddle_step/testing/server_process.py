@@ -1,5 +1,7 @@
 """``python -m paddle_step.serve`` in a subprocess on 127.0.0.1, for tests and benchmarks:
-started on a free port, waited for until ``/health`` answers, and always stopped."""
+started on a free port, waited for until ``/health`` answers, and always stopped; and the
+helpers for any server so started (a free port, the health wait, a metric's value).
+Standard library only: an install check runs this where only the runtime packages are."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import IO
 
-__all__ = ["free_port", "server_process"]
+__all__ = ["free_port", "metric", "server_process", "wait_for_health"]
 
 
 def free_port() -> int:
@@ -21,6 +24,36 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def wait_for_health(
+    url: str, process: subprocess.Popen, timeout_s: float, log: IO[str] | None = None
+) -> None:
+    """Returns once ``url``/health answers 200; raises ``RuntimeError`` if ``process`` (the
+    server, or the launcher that runs it) exits first (with the end of ``log``) or
+    ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while not _healthy(url):
+        if process.poll() is not None:
+            output = ""
+            if log is not None:
+                log.seek(0)
+                output = ": " + log.read()[-2000:]
+            raise RuntimeError(f"the server exited ({process.returncode}){output}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server gave no /health answer within {timeout_s:.0f} s")
+        time.sleep(0.3)
+
+
+def metric(url: str, name: str) -> float:
+    """The value of the unlabelled metric ``name`` on ``url``/metrics; raises ``KeyError``
+    if the page has none."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(f"{url}/metrics has no metric {name}")
 
 
 @contextmanager
@@ -34,14 +67,7 @@ def server_process(flags: Sequence[str] = (), timeout_s: float = 120.0) -> Itera
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout_s
-        while not _healthy(url):
-            if process.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"the server exited: {log.read()[-2000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server gave no /health answer within {timeout_s:.0f} s")
-            time.sleep(0.3)
+        wait_for_health(url, process, timeout_s, log)
         yield url
     finally:
         process.terminate()
@@ -54,7 +80,6 @@ def server_process(flags: Sequence[str] = (), timeout_s: float = 120.0) -> Itera
 
 
 def _healthy(url: str) -> bool:
-    # urllib, not httpx: an install check runs this where only the runtime packages are.
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
             return answer.status == 200
