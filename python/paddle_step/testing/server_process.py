@@ -9,12 +9,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO
-
-import httpx
 
 __all__ = ["ServerProcess", "descendants", "free_port", "server_process", "spawn_server"]
 
@@ -107,7 +107,9 @@ def descendants(pid: int) -> list[int]:
 
 
 def _healthy(url: str) -> bool:
+    # urllib, not httpx: an install check runs this where only the runtime packages are.
     try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.TransportError:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
+            return answer.status == 200
+    except (urllib.error.URLError, OSError):
         return False

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import ipaddress
 import os
 import sys
@@ -25,7 +26,23 @@ from ...engine.arg_utils import (
 )
 from ...engine.core_client import EngineLoop
 
-__all__ = ["build_app", "main", "parse_args"]
+__all__ = ["build_app", "main", "missing_serving_packages", "parse_args"]
+
+# The serving stack (requirements.txt): module -> distribution to pip-install.
+SERVING_PACKAGES = {
+    "fastapi": "fastapi",
+    "uvicorn": "uvicorn",
+    "prometheus_client": "prometheus-client",
+}
+
+
+def missing_serving_packages() -> list[str]:
+    """The distributions of the serving stack that cannot be imported."""
+    return [
+        dist
+        for module, dist in SERVING_PACKAGES.items()
+        if importlib.util.find_spec(module) is None
+    ]
 
 # After the engine fails, the server answers 503 this long (so clients and a load
 # balancer see why), then exits non-zero for its supervisor to restart it.
@@ -127,6 +144,12 @@ def _is_loopback(host: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
+    missing = missing_serving_packages()
+    if missing:
+        raise SystemExit(
+            f"paddle_step.serve: the serving stack is not installed ({', '.join(missing)}); "
+            f"run `{sys.executable} -m pip install {' '.join(missing)}`"
+        )
     args = parse_args(argv)
     # With --tp > 1 (under paddle.distributed.launch) rank 0 serves HTTP; every rank runs
     # an engine process, and rank 0's hands the others each batch of requests.
