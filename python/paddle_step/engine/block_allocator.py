@@ -166,8 +166,9 @@ class EncoderBlockAllocator:
         if {b: k for k, b in self._block_of_key.items()} != self._key_of_block:
             problems.append("the key -> block and block -> key maps disagree")
         if not evictable <= self._key_of_block.keys():
-            problems.append(f"uncached blocks {sorted(evictable - self._key_of_block.keys())} "
-                            "are evictable")
+            problems.append(
+                f"uncached blocks {sorted(evictable - self._key_of_block.keys())} are evictable"
+            )
         if free & self._key_of_block.keys():
             problems.append(f"free blocks {sorted(free & self._key_of_block.keys())} are cached")
         return problems

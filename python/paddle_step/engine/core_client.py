@@ -45,7 +45,8 @@ class SamplingParams:
 class RequestHandle:
     """A submitted request as its HTTP handler sees it.
 
-    Events arrive on ``events``: ``("token", id)`` per generated token, then one of
+    Events arrive on ``events``: ``("cached", n)`` once admitted (n prompt tokens came
+    from the prefix cache), ``("token", id)`` per generated token, then one of
     ``("finish", reason)`` or ``("error", message)``.
     """
 
@@ -144,7 +145,7 @@ class EngineLoop:
             events, self.stats = payload
             self._deliver_all(events)
             for key, (event_kind, _value) in events:
-                if event_kind != "token":
+                if event_kind in ("finish", "error"):
                     self._handles.pop(key, None)
 
     def _deliver_all(self, events: list[tuple[int, tuple]]) -> None:
@@ -225,6 +226,9 @@ def _run_engine(args: argparse.Namespace, commands, events) -> None:
             except Exception as error:  # noqa: BLE001 - every client gets it
                 events.send(("failed", f"engine step failed: {type(error).__name__}: {error}"))
                 return
+            step_events += [(keys[request_id], ("cached", cached))
+                            for request_id, cached in engine.last_step_admitted
+                            if request_id in keys]  # fmt: skip
             step_events += [(keys[request_id], ("token", token))
                             for request_id, token in engine.last_step_tokens
                             if request_id in keys]  # fmt: skip
@@ -273,4 +277,6 @@ def _stats(engine) -> dict:
         "preemptions": engine.stats.preemptions,
         "generated_tokens": engine.stats.generated_tokens,
         "step_seconds": engine.stats.elapsed,
+        "prefix_cache_queries": engine.stats.prompt_tokens_queried,
+        "prefix_cache_hits": engine.stats.prompt_tokens_hit,
     }

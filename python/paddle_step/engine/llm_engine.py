@@ -99,6 +99,9 @@ class Engine:
         self.stats = GenerationStats()
         # (request id, token) of every token the last step generated, for streaming.
         self.last_step_tokens: list[tuple[int, int]] = []
+        # (request id, prompt tokens the prefix cache supplied) of each request the last
+        # step admitted.
+        self.last_step_admitted: list[tuple[int, int]] = []
         self._next_request_id = 0
         self._step_lens = 0  # preempted slots after the previous step
         self._decoder_blocks_in_use = 0
@@ -211,8 +214,10 @@ class Engine:
         scheduler, runner = self.scheduler, self.runner
         plan = scheduler.schedule()
         admitted = plan.admitted
+        admitted_requests = [scheduler.slot_requests[slot] for slot in admitted]
+        self.last_step_admitted = [(r.request_id, r.num_cached_tokens) for r in admitted_requests]
         if admitted:
-            runner.write_admitted(admitted, [scheduler.slot_requests[s] for s in admitted])
+            runner.write_admitted(admitted, admitted_requests)
         if plan.chunks:
             runner.write_prefill_chunks(plan.chunks)
         ran_any = plan.num_tokens > 0
