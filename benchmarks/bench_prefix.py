@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import time
@@ -162,6 +163,8 @@ def best(runs: list[dict], key: str, lower_is_better: bool = True) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    # The dense blocks log each first-use timing; this script reports its own figures.
+    logging.getLogger("paddle_step.layers.dense_blocks").setLevel(logging.WARNING)
     loaded = load_checkpoint(args.model)
     prompts, prefix_len = shared_prefix_prompts(
         args.num_requests, loaded.max_model_len, loaded.model.config.vocab_size
