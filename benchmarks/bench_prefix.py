@@ -32,7 +32,6 @@ from paddle_step.engine.llm_engine import Engine
 from paddle_step.model_loader.loader import load_checkpoint
 
 OUT_TOKENS = 32
-STREAMS = 16
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,6 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default=str(DEFAULT_MODEL), help="a checkpoint directory")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--streams", type=int, default=16, help="long-prompt case")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument(
         "--chunk-budget",
@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
     if args.quick:
-        args.num_requests, args.concurrency, args.repeats = 8, 4, 1
+        args.num_requests, args.concurrency, args.streams, args.repeats = 8, 4, 4, 1
     return args
 
 
@@ -85,9 +85,7 @@ def shared_prefix_prompts(count: int, context: int, vocab: int) -> tuple[list[li
 
 def run_shared_prefix(loaded, prompts, args, caching: bool) -> dict:
     """Closed loop: at most ``concurrency`` requests in the engine."""
-    engine = engine_for(
-        loaded, args.concurrency, args.block_size, enable_prefix_caching=caching
-    )
+    engine = engine_for(loaded, args.concurrency, args.block_size, enable_prefix_caching=caching)
     pending = list(prompts)
     added: dict[int, float] = {}
     first: dict[int, float] = {}
@@ -115,19 +113,19 @@ def run_shared_prefix(loaded, prompts, args, caching: bool) -> dict:
 
 
 def run_long_prompt(loaded, args, budget: int | None) -> dict:
-    """16 streams decode; one prompt near the context length arrives at step 4."""
+    """``--streams`` streams decode; one prompt near the context length arrives at step 4."""
     rng = np.random.default_rng(1)
     vocab = loaded.model.config.vocab_size
     block_size = args.block_size
     engine = engine_for(
-        loaded, STREAMS + 1, block_size, max_num_batched_tokens=budget,
+        loaded, args.streams + 1, block_size, max_num_batched_tokens=budget,
         enable_prefix_caching=False,
     )  # fmt: skip
     context = engine.config.max_model_len
     long_prompt = rng.integers(2, vocab, context - 2 * block_size).tolist()
     streams = [
         engine.add_request(rng.integers(2, vocab, 8).tolist(), context - 8)
-        for _ in range(STREAMS)
+        for _ in range(args.streams)
     ]
     last_token: dict[int, float] = {}
     gaps: list[float] = []
@@ -194,6 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
             "out_tokens": OUT_TOKENS,
             "block_size": args.block_size,
             "chunk_budget": args.chunk_budget,
+            "streams": args.streams,
             "repeats": args.repeats,
         },
         "shared_prefix": {
@@ -234,8 +233,8 @@ def print_report(report: dict) -> None:
         f"{shared['throughput_ratio']:.2f}x higher with caching"
     )
     print(
-        f"long prompt ({long_case['whole']['long_prompt_tokens']} tokens) among {STREAMS} "
-        f"streams, chunks of --max-num-batched-tokens {config['chunk_budget']}:"
+        f"long prompt ({long_case['whole']['long_prompt_tokens']} tokens) among "
+        f"{config['streams']} streams, chunks of --max-num-batched-tokens {config['chunk_budget']}:"
     )
     for name in ("whole", "chunked"):
         run = long_case[name]

@@ -72,3 +72,14 @@ def test_bench_decode_quick_json():
             # The ops work in place: no new buffers for the tensors they write.
             assert alloc["data_pointer_changes"] == 0
             assert alloc["allocated_bytes_per_call_max"] == 0
+
+
+def test_bench_prefix_quick_json():
+    report = run_json("bench_prefix.py")
+    shared, long_case = report["shared_prefix"], report["long_prompt"]
+    assert shared["on"]["prompt_tokens_hit"] > 0 and shared["off"]["prompt_tokens_hit"] == 0
+    for run in (shared["on"], shared["off"]):
+        assert 0 < run["ttft_p50_ms"] <= run["ttft_p99_ms"] and run["output_tokens_per_s"] > 0
+    for run in (long_case["whole"], long_case["chunked"]):
+        assert 0 < run["itl_p50_ms"] <= run["itl_p99_ms"] and run["long_prompt_ttft_ms"] > 0
+    assert shared["ttft_p50_ratio"] > 0 and long_case["itl_p99_ratio"] > 0
