@@ -1,5 +1,5 @@
 """Prefix caching and chunked prefill, measured on the engine (no HTTP), each setting
-against its "off" twin in the same run, alternating, best of ``--repeats``.
+against its "off" twin in the same run, alternating, the median of ``--repeats``.
 
 - shared prefix: N requests, a common prefix as long as the context allows (512 tokens
   at most) + 16 to 32 distinct tokens, 32 tokens out, at most C in flight (a finished
@@ -11,6 +11,7 @@ against its "off" twin in the same run, alternating, best of ``--repeats``.
   ``--max-num-batched-tokens``.
 
     python benchmarks/bench_prefix.py                 # the shipped model (256-token context)
+    python benchmarks/bench_prefix.py --shape pydoc-tiny-2k --max-model-len 1024
     python benchmarks/bench_prefix.py --quick --json
 """
 
@@ -21,10 +22,12 @@ import json
 import logging
 import os
 import platform
+import tempfile
 import time
 
 import numpy as np
 import paddle
+from bench_decode import COMPARE_SHAPES, write_random_checkpoint
 
 from paddle_step.config import EngineConfig
 from paddle_step.engine.arg_utils import DEFAULT_MODEL
@@ -32,11 +35,35 @@ from paddle_step.engine.llm_engine import Engine
 from paddle_step.model_loader.loader import load_checkpoint
 
 OUT_TOKENS = 32
+# bench_decode's shapes, and the shipped model's shape with a 2048-token context (its own
+# is 256): long prompts at a cost a loaded 2-core machine runs in minutes.
+SHAPES = {
+    **COMPARE_SHAPES,
+    "pydoc-tiny-2k": {
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "intermediate_size": 384,
+        "vocab_size": 2048,
+        "tie_word_embeddings": True,
+    },
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(DEFAULT_MODEL), help="a checkpoint directory")
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default=None,
+        help="instead of --model: a random-weight Llama of bench_decode's shape (2048 context)",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="default: the model's context"
+    )
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--streams", type=int, default=16, help="long-prompt case")
@@ -47,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=48,
         help="--max-num-batched-tokens of the chunked side of the long-prompt case",
     )
-    parser.add_argument("--repeats", type=int, default=2, help="runs per setting (best kept)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per setting (median kept)")
     parser.add_argument("--quick", action="store_true", help="few requests, one run each")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
@@ -60,9 +87,9 @@ def percentile(values, q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else 0.0
 
 
-def engine_for(loaded, max_batch: int, block_size: int, **features) -> Engine:
+def engine_for(loaded, context: int, max_batch: int, block_size: int, **features) -> Engine:
     """An engine whose regions each hold every slot's whole sequence (no preemption)."""
-    max_model_len = loaded.max_model_len // block_size * block_size
+    max_model_len = context // block_size * block_size
     blocks = max_batch * (max_model_len // block_size)
     config = EngineConfig(
         max_batch=max_batch,
@@ -85,7 +112,9 @@ def shared_prefix_prompts(count: int, context: int, vocab: int) -> tuple[list[li
 
 def run_shared_prefix(loaded, prompts, args, caching: bool) -> dict:
     """Closed loop: at most ``concurrency`` requests in the engine."""
-    engine = engine_for(loaded, args.concurrency, args.block_size, enable_prefix_caching=caching)
+    engine = engine_for(
+        loaded, args.context, args.concurrency, args.block_size, enable_prefix_caching=caching
+    )
     pending = list(prompts)
     added: dict[int, float] = {}
     first: dict[int, float] = {}
@@ -118,7 +147,7 @@ def run_long_prompt(loaded, args, budget: int | None) -> dict:
     vocab = loaded.model.config.vocab_size
     block_size = args.block_size
     engine = engine_for(
-        loaded, args.streams + 1, block_size, max_num_batched_tokens=budget,
+        loaded, args.context, args.streams + 1, block_size, max_num_batched_tokens=budget,
         enable_prefix_caching=False,
     )  # fmt: skip
     context = engine.config.max_model_len
@@ -155,17 +184,23 @@ def run_long_prompt(loaded, args, budget: int | None) -> dict:
     }
 
 
-def best(runs: list[dict], key: str, lower_is_better: bool = True) -> dict:
-    return (min if lower_is_better else max)(runs, key=lambda run: run[key])
+def median_run(runs: list[dict], key: str) -> dict:
+    """The run whose ``key`` is the median (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda run: run[key])[(len(runs) - 1) // 2]
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     # The dense blocks log each first-use timing; this script reports its own figures.
     logging.getLogger("paddle_step.layers.dense_blocks").setLevel(logging.WARNING)
+    if args.shape is not None:
+        folder = tempfile.mkdtemp(prefix="bench-prefix-")
+        write_random_checkpoint(folder, SHAPES[args.shape])
+        args.model = folder
     loaded = load_checkpoint(args.model)
+    args.context = min(loaded.max_model_len, args.max_model_len or loaded.max_model_len)
     prompts, prefix_len = shared_prefix_prompts(
-        args.num_requests, loaded.max_model_len, loaded.model.config.vocab_size
+        args.num_requests, args.context, loaded.model.config.vocab_size
     )
     # One warm-up of each shape, so no run pays the dense blocks' first-use timing.
     run_shared_prefix(loaded, prompts[: args.concurrency], args, caching=False)
@@ -176,14 +211,15 @@ def main(argv: list[str] | None = None) -> dict:
             shared[name].append(run_shared_prefix(loaded, prompts, args, caching))
         for name, budget in (("whole", None), ("chunked", args.chunk_budget)):
             long_case[name].append(run_long_prompt(loaded, args, budget))
-    off, on = (best(shared[name], "elapsed_s") for name in ("off", "on"))
-    whole, chunked = (best(long_case[name], "itl_p99_ms") for name in ("whole", "chunked"))
+    off, on = (median_run(shared[name], "elapsed_s") for name in ("off", "on"))
+    whole, chunked = (median_run(long_case[name], "itl_p99_ms") for name in ("whole", "chunked"))
     report = {
         "env": {
             "paddle": paddle.__version__,
             "python": platform.python_version(),
             "cpu_count": os.cpu_count(),
-            "model": loaded.name,
+            "model": args.shape or loaded.name,
+            "context": args.context,
         },
         "config": {
             "num_requests": args.num_requests,
