@@ -106,8 +106,9 @@ class Scheduler:
         self.prompt_tokens_hit = 0
         self._logged_prompt_region_full = False
 
-    def _note_prompt_region_full(self, request: Request) -> None:
-        """Logs, once per scheduler, that a request waits for prompt blocks while a slot is
+    def _note_prompt_region_full(self, request: Request, fresh: int, free: int) -> None:
+        """Logs, once per scheduler, that a request waits for ``fresh`` prompt blocks
+        (those the prefix cache does not supply; ``free`` are available) while a slot is
         free: the batch then runs in waves, which a larger prompt region would avoid."""
         if self._logged_prompt_region_full:
             return
@@ -118,11 +119,11 @@ class Scheduler:
             "prompt region holds %d of the %d KV blocks (decoder_pool_ratio=%s), %d free now; "
             "more KV blocks or a lower decoder_pool_ratio admit more prompts at once",
             len(request.prompt_ids),
-            config.encoder_blocks_for(len(request.prompt_ids)),
+            fresh,
             config.num_encoder_blocks,
             config.num_kv_blocks,
             config.decoder_pool_ratio,
-            self.encoder_blocks.num_free,
+            free,
         )
 
     def has_unfinished(self) -> bool:
@@ -197,7 +198,7 @@ class Scheduler:
             reclaimed = sum(allocator.ref_count(block) == 0 for block in hits)
             if allocator.num_free - reclaimed < fresh:
                 # The head of the queue waits for prompt blocks; FIFO keeps order.
-                self._note_prompt_region_full(request)
+                self._note_prompt_region_full(request, fresh, allocator.num_free - reclaimed)
                 break
             allocator.share(hits)
             self.waiting.popleft()
