@@ -110,3 +110,14 @@ def test_soak_serve_quick_json():
     samples = report["rss_mib"]
     assert [s["requests"] for s in samples] == list(range(50, 201, 15))
     assert all(s["server"] > 0 and s["engine"] > 0 for s in samples)
+
+
+def test_bench_prefix_quick_json():
+    report = run_json("bench_prefix.py")
+    shared, long_case = report["shared_prefix"], report["long_prompt"]
+    assert shared["on"]["prompt_tokens_hit"] > 0 and shared["off"]["prompt_tokens_hit"] == 0
+    for run in (shared["on"], shared["off"]):
+        assert 0 < run["ttft_p50_ms"] <= run["ttft_p99_ms"] and run["output_tokens_per_s"] > 0
+    for run in (long_case["whole"], long_case["chunked"]):
+        assert 0 < run["itl_p50_ms"] <= run["itl_p99_ms"] and run["long_prompt_ttft_ms"] > 0
+    assert shared["ttft_p50_ratio"] > 0 and long_case["itl_p99_ratio"] > 0

@@ -309,7 +309,9 @@ async def _relay(
                 if await is_disconnected():
                     return
                 continue
-        if kind == "token":
+        if kind == "cached":
+            fmt.cached_tokens = value
+        elif kind == "token":
             delta = text.add(value)
             if text.stopped:  # a stop string ended the text: the request is done
                 fmt.finish_reason = "stop"
@@ -364,6 +366,7 @@ class _Format:
         self.created = int(time.time())
         self.model = model_name
         self.prompt_tokens = prompt_tokens
+        self.cached_tokens = 0  # prompt tokens the prefix cache supplied
         self.finish_reason: str | None = None
         self.error: RequestError | None = None
         self._text_event_parts: list[str] | None = None
@@ -383,6 +386,7 @@ class _Format:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": self.prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
     def envelope(self, object_name: str, choices: list, **extra) -> dict:
