@@ -111,6 +111,20 @@ def test_tp2_sampling_equals_tp1(tmp_path):
     assert [r["token_ids"] for r in result["requests"]] == tp1_token_ids(*args)
 
 
+def test_tp2_prefix_caching_and_chunked_prefill_equal_tp1(tmp_path):
+    """Both features on (prompts sharing a prefix, 24 tokens a step) under preemption: the
+    ranks keep identical schedules and give the plain engine's tokens."""
+    shared = ("--prompt", "The for statement iterates over the items", "--prompt",
+              "The for statement iterates over a range", "--prompt",
+              "The for statement iterates over the items of a list")  # fmt: skip
+    args = ("--model", str(CHECKPOINTS / "llama-tiny"), *TIGHT, *shared, "--max-new-tokens", "19")
+    result = launch_generate(tmp_path, *args, "--max-num-batched-tokens", "24")
+    stats = result["stats"]
+    assert stats["preemptions"] > 0 and stats["prompt_tokens_hit"] > 0
+    plain = tp1_token_ids(*args, "--no-enable-prefix-caching")
+    assert [r["token_ids"] for r in result["requests"]] == plain
+
+
 def test_check_ranks_names_the_tensor_that_diverged(tmp_path):
     args = ("--model", str(CHECKPOINTS / "llama-tiny"), *TIGHT, "--check-ranks")
     completed = launch(

@@ -128,3 +128,25 @@ def test_continuation_reads_the_cache_and_prefill_its_own_kv(model64: LlamaForCa
     logits = model64.forward_paged(**build_step([resumed[5:], fresh], [5, 0]), kv_cache=cache)
     expected = model64.forward_naive([resumed, fresh]).numpy()
     np.testing.assert_allclose(logits.numpy(), expected, rtol=1e-9, atol=1e-9)
+
+
+def test_chunk_rows_beside_decode_and_prefill_rows_match_naive(model64: LlamaForCausalLM) -> None:
+    """One step with all three kinds of rows: two chunks of different lengths and starts
+    (each reading its row's keys once, padded), a decode row and a fresh prefill."""
+    rng = np.random.default_rng(12)
+    long_a, long_b, decoding = (rng.integers(0, 256, n).tolist() for n in (17, 11, 10))
+    fresh = rng.integers(0, 256, 3).tolist()
+    block_size, width = 4, 20
+    block_tables = paddle.to_tensor(scrambled_block_tables(4, 5))
+    cache = PagedKVCache.for_config(model64.config, num_blocks=20, block_size=block_size)
+
+    def build_step(rows: list[list[int]], starts: list[int]):
+        return build_flat_batch(*slot_state(rows, starts, width), block_tables, block_size)
+
+    model64.forward_paged(
+        **build_step([long_a[:6], decoding[:9], long_b[:3], []], [0, 0, 0, 0]), kv_cache=cache
+    )
+    step = build_step([long_a[6:], decoding[9:], long_b[3:], fresh], [6, 9, 3, 0])
+    logits = model64.forward_paged(**step, kv_cache=cache).numpy()
+    expected = model64.forward_naive([long_a, decoding, long_b, fresh]).numpy()
+    np.testing.assert_allclose(logits, expected, rtol=1e-9, atol=1e-9)

@@ -89,6 +89,8 @@ def check_error(body: dict, status: int) -> None:
 def check_ended_with_errors(streams, wholes, fault_at: float) -> None:
     """Every stream ended with an error event then ``[DONE]``; every whole request got a
     503 in OpenAI's error format; all within ``END_WITHIN_S`` of the fault."""
+    latest = max(ended_at for _, ended_at in streams + wholes) - fault_at
+    print(f"the last request ended {latest * 1e3:.0f} ms after the fault")
     for lines, ended_at in streams:
         assert lines[-1] == "[DONE]", lines[-3:]
         check_error(json.loads(lines[-2]), 503)
