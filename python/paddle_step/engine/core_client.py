@@ -60,7 +60,8 @@ class RequestError:
 class RequestHandle:
     """A submitted request as its HTTP handler sees it.
 
-    Events arrive on ``events``: ``("token", id)`` per generated token, then one of
+    Events arrive on ``events``: ``("cached", n)`` once admitted (n prompt tokens came
+    from the prefix cache), ``("token", id)`` per generated token, then one of
     ``("finish", reason)`` or ``("error", RequestError)``.
     """
 
@@ -208,18 +209,17 @@ class EngineLoop:
             if isinstance(message, StepOutput):
                 self._deliver_step(message)
                 continue
-            if self._stopping:
-                return
             if isinstance(message, EngineFailed):
                 self._fail(message.message, message.details)
-            else:
+            elif not self._stopping:  # else it exited because it was told to
                 self._process.join(5)
                 status = _exit_status(self._process.exitcode)
                 self._fail(f"the engine process exited unexpectedly ({status})")
             return
 
     def _deliver_step(self, output: StepOutput) -> None:
-        events = [(key, ("token", token)) for key, token in output.tokens]
+        events = [(key, ("cached", cached)) for key, cached in output.cached]
+        events += [(key, ("token", token)) for key, token in output.tokens]
         events += [(key, ("finish", reason)) for key, reason in output.finished]
         events += [(key, ("error", RequestError(why, unavailable=False)))
                    for key, why in output.refused]  # fmt: skip

@@ -66,10 +66,12 @@ class Ready:
 
 @dataclass
 class StepOutput:
-    """One step's results, in one message: ``tokens`` are ``(key, token id)`` in the
+    """One step's results, in one message: ``cached`` are ``(key, prompt tokens from the
+    prefix cache)`` of the requests it admitted, ``tokens`` ``(key, token id)`` in the
     order generated, ``finished`` ``(key, finish reason)``, ``refused`` ``(key,
     message)`` for requests the engine would not add (a ``ValueError`` of its own)."""
 
+    cached: list[tuple[int, int]] = field(default_factory=list)
     tokens: list[tuple[int, int]] = field(default_factory=list)
     finished: list[tuple[int, str]] = field(default_factory=list)
     refused: list[tuple[int, str]] = field(default_factory=list)
