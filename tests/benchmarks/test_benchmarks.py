@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_json(script: str, *extra: str) -> dict:
+def run_json(script: str, *extra: str, timeout: float = 120) -> dict:
     env = dict(os.environ)
     paths = [str(ROOT / "tests"), str(ROOT / "python")]
     if env.get("PYTHONPATH"):
@@ -21,7 +21,7 @@ def run_json(script: str, *extra: str) -> dict:
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     lines = [line for line in completed.stdout.splitlines() if line.strip()]
@@ -96,6 +96,20 @@ def test_bench_decode_quick_json():
             # The ops work in place: no new buffers for the tensors they write.
             assert alloc["data_pointer_changes"] == 0
             assert alloc["allocated_bytes_per_call_max"] == 0
+
+
+def test_soak_serve_quick_json():
+    """200 streaming requests from 32 clients, 20% closed mid-stream: none fails, and no
+    request or KV block is held once every client has left."""
+    report = run_json("soak_serve.py", timeout=300)
+    outcomes = report["outcomes"]
+    assert outcomes.get("errors", 0) == 0, outcomes
+    assert outcomes["done"] + outcomes["cancelled"] == report["config"]["requests"] == 200
+    assert 20 <= outcomes["cancelled"] <= 80  # 20% of 200, drawn
+    assert report["pools_full"], report["held_at_end"]
+    samples = report["rss_mib"]
+    assert [s["requests"] for s in samples] == list(range(50, 201, 15))
+    assert all(s["server"] > 0 and s["engine"] > 0 for s in samples)
 
 
 def test_bench_prefix_quick_json():

@@ -9,21 +9,16 @@ import pytest
 from paddle_step.config import EngineConfig, ModelConfig
 from paddle_step.engine.block_allocator import EncoderBlockAllocator
 from paddle_step.engine.llm_engine import Engine
-from paddle_step.engine.naive import generate_naive
 from paddle_step.engine.slot_state import ShareInputs
 from paddle_step.layers.sampler import sample_tokens
 from paddle_step.models.llama import LlamaForCausalLM
 from paddle_step.spec.check_state import check_state
+from paddle_step.testing.greedy import greedy_reference
 
 
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
     return LlamaForCausalLM(ModelConfig(dtype="float64", seed=11))
-
-
-def greedy_reference(model: LlamaForCausalLM, prompts, max_new_tokens) -> list[list[int]]:
-    results, _ = generate_naive(model, prompts, max_new_tokens)
-    return [result.token_ids for result in results]
 
 
 def assert_blocks_conserved(engine: Engine) -> None:

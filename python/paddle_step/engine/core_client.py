@@ -209,11 +209,9 @@ class EngineLoop:
             if isinstance(message, StepOutput):
                 self._deliver_step(message)
                 continue
-            if self._stopping:
-                return
             if isinstance(message, EngineFailed):
                 self._fail(message.message, message.details)
-            else:
+            elif not self._stopping:  # else it exited because it was told to
                 self._process.join(5)
                 status = _exit_status(self._process.exitcode)
                 self._fail(f"the engine process exited unexpectedly ({status})")

@@ -22,7 +22,7 @@ import uvicorn
 
 from paddle_step.engine.arg_utils import build_engine
 from paddle_step.entrypoints.openai import cli as serve
-from paddle_step.testing.server_process import server_process
+from paddle_step.testing.server_process import metric, server_process
 
 GOLDEN_LLAMA = Path(__file__).resolve().parents[2] / "data" / "hf-tiny" / "llama-tiny"
 CHAT_TEMPLATE = (
@@ -257,13 +257,6 @@ def test_bad_requests_get_400_and_server_keeps_serving(served, what, body, messa
         timeout=30,
     )
     assert good.status_code == 200
-
-
-def metric(base_url: str, name: str) -> float:
-    for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"metric {name} not found")
 
 
 def test_concurrent_streams_with_cancellations(served, offline):

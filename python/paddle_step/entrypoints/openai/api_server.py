@@ -80,6 +80,7 @@ def create_app(
         max_model_len=max_model_len,
         vocab_size=vocab_size,
         api_key=api_key is not None,
+        chat=getattr(tokenizer, "chat_template", "") is not None,
     )
     registry = metrics_registry(loop)
     created = int(time.time())
@@ -146,8 +147,14 @@ def create_app(
                 param="prompt",
             )
         room = max_model_len - len(prompt_ids)
+        if room < 1:
+            raise ApiError(
+                f"the prompt ({len(prompt_ids)} tokens) leaves no room in the model's context "
+                f"of {max_model_len} tokens",
+                param="prompt" if isinstance(body, CompletionRequest) else "messages",
+            )
         max_tokens = body.max_tokens if body.max_tokens is not None else room
-        if room < 1 or max_tokens > room:
+        if max_tokens > room:
             raise ApiError(
                 f"the prompt ({len(prompt_ids)} tokens) plus 'max_tokens' ({max_tokens}) "
                 f"exceeds the model's context of {max_model_len} tokens",
