@@ -22,7 +22,9 @@ import signal
 import threading
 from dataclasses import dataclass, field
 
-__all__ = ["EngineLoop", "RequestHandle", "SamplingParams"]
+from ..sampling_params import SamplingParams
+
+__all__ = ["EngineLoop", "RequestHandle", "unsupported_fields"]
 
 logger = logging.getLogger("paddle_step.serve")
 
@@ -30,28 +32,41 @@ logger = logging.getLogger("paddle_step.serve")
 START_TIMEOUT_S = 600.0
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """What a request asks of the engine, already validated."""
+# The SamplingParams fields the engine applies today; the server refuses requests that
+# set any other away from its default (with a 400 naming it) rather than ignore it.
+ENGINE_SAMPLING_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "seed", "eos_token_id"})
 
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False
+
+def unsupported_fields(params: SamplingParams) -> list[str]:
+    """The fields of ``params`` set to something the engine cannot apply yet."""
+    defaults = SamplingParams()
+    return [
+        name
+        for name in params.__dataclass_fields__
+        if name not in ENGINE_SAMPLING_FIELDS and getattr(params, name) != getattr(defaults, name)
+    ]
 
 
 @dataclass
 class RequestHandle:
     """A submitted request as its HTTP handler sees it.
 
-    Events arrive on ``events``: ``("token", id)`` per generated token, then one of
-    ``("finish", reason)`` or ``("error", message)``.
+    Events arrive on ``events`` as ``(index, kind, value)``, ``index`` being the handle's
+    own (a handler may share one queue among the handles of a batch):
+
+    - ``("token", (sample, token_id, logprobs))`` per generated token of sample ``sample``
+      (0 .. best_of-1); ``logprobs`` is None unless asked, else ``(logprob, [(id,
+      logprob), ..])`` with the asked number of alternatives, most likely first;
+    - then one ``("finish", (returned, prompt_logprobs))``: ``returned`` lists the samples
+      to answer with, in choice order, as ``(sample, finish_reason)`` (the ``n`` best of
+      ``best_of``), and ``prompt_logprobs`` (when asked) has the prompt's logprobs in the
+      form above for each position after the first; or one ``("error", message)``.
     """
 
     prompt_ids: list[int]
     params: SamplingParams
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    index: int = 0  # the handler's tag (e.g. the prompt's place in a batch)
     key: int | None = None  # the request's id between this process and the engine's
     done: bool = False  # set by the handler once it has read the last event
 
@@ -111,10 +126,7 @@ class EngineLoop:
         """Queues ``handle``'s request; call from the event loop that reads its events."""
         handle.key = next(self._keys)
         self._handles[handle.key] = (handle, asyncio.get_running_loop())
-        params = handle.params
-        eos = [] if params.ignore_eos else None
-        self._send(("add", handle.key, handle.prompt_ids, params.max_new_tokens, eos,
-                    params.temperature, params.top_p, params.seed))  # fmt: skip
+        self._send(("add", handle.key, handle.prompt_ids, handle.params))
 
     def abort(self, handle: RequestHandle) -> None:
         """Cancels ``handle``'s request (a no-op once it has finished)."""
@@ -153,7 +165,7 @@ class EngineLoop:
             entry = self._handles.get(key)
             if entry is not None:
                 handle, event_loop = entry
-                by_loop.setdefault(event_loop, []).append((handle.events, event))
+                by_loop.setdefault(event_loop, []).append((handle.events, (handle.index, *event)))
         for event_loop, deliveries in by_loop.items():
             try:
                 event_loop.call_soon_threadsafe(_put_all, deliveries)
@@ -194,6 +206,7 @@ def _run_engine(args: argparse.Namespace, commands, events) -> None:
     leader = group is None or group.rank == 0
     info = {"name": loaded.name, "max_model_len": config.max_model_len,
             "vocab_size": loaded.model.config.vocab_size,
+            "eos_token_ids": list(engine.eos_token_ids),
             "kv_total_blocks": config.num_decoder_blocks,
             "kv_encoder_total_blocks": config.num_encoder_blocks,
             "threads": engine.threads}  # fmt: skip
@@ -209,10 +222,11 @@ def _run_engine(args: argparse.Namespace, commands, events) -> None:
             if command[0] == "stop":
                 return
             if command[0] == "add":
-                key, prompt_ids, max_new_tokens, eos, temperature, top_p, seed = command[1:]
+                key, prompt_ids, params = command[1:]
                 try:
-                    request_id = engine.add_request(prompt_ids, max_new_tokens, eos,
-                                                    temperature, top_p, seed=seed)  # fmt: skip
+                    request_id = engine.add_request(prompt_ids, params.max_tokens,
+                                                    params.eos_token_id, params.temperature,
+                                                    params.top_p, seed=params.seed)  # fmt: skip
                 except ValueError as error:
                     step_events.append((key, ("error", str(error))))
                     continue
@@ -225,13 +239,13 @@ def _run_engine(args: argparse.Namespace, commands, events) -> None:
             except Exception as error:  # noqa: BLE001 - every client gets it
                 events.send(("failed", f"engine step failed: {type(error).__name__}: {error}"))
                 return
-            step_events += [(keys[request_id], ("token", token))
+            step_events += [(keys[request_id], ("token", (0, token, None)))
                             for request_id, token in engine.last_step_tokens
                             if request_id in keys]  # fmt: skip
             for result in finished:
                 key = keys.pop(result.request_id)
                 request_ids.pop(key, None)
-                step_events.append((key, ("finish", result.finish_reason)))
+                step_events.append((key, ("finish", ([(0, result.finish_reason)], None))))
         if leader and (step_events or batch or engine.has_unfinished()):
             events.send(("step", (step_events, _stats(engine))))
 

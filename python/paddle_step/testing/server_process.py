@@ -1,5 +1,7 @@
-"""``python -m paddle_step.serve`` in a subprocess on 127.0.0.1, for tests and benchmarks:
-started on a free port, waited for until ``/health`` answers, and always stopped."""
+"""A server for tests and benchmarks on 127.0.0.1: ``python -m paddle_step.serve`` in a
+subprocess (``server_process``: started on a free port, waited for until ``/health``
+answers, and always stopped), or an app served by uvicorn in a thread of this process
+(``serve_in_thread``)."""
 
 from __future__ import annotations
 
@@ -7,13 +9,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import httpx
 
-__all__ = ["free_port", "server_process"]
+__all__ = ["free_port", "serve_in_thread", "server_process"]
 
 
 def free_port() -> int:
@@ -58,3 +61,29 @@ def _healthy(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=2).status_code == 200
     except httpx.TransportError:
         return False
+
+
+@contextmanager
+def serve_in_thread(app, timeout_s: float = 30.0) -> Iterator[str]:
+    """Serves ``app`` on 127.0.0.1 (a free port) in a thread; yields the base URL and
+    shuts the server down at the end."""
+    import uvicorn
+
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=5
+        )
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout_s)
