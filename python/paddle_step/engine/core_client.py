@@ -54,13 +54,14 @@ class RequestHandle:
     Events arrive on ``events`` as ``(index, kind, value)``, ``index`` being the handle's
     own (a handler may share one queue among the handles of a batch):
 
+    - ``("prompt_logprobs", entries)`` once the prompt is prefilled, when the request
+      asked for them: per prompt position after the first, ``(logprob, [(id, logprob),
+      ..])``, the prompt token's logprob and the asked number of most likely tokens;
     - ``("token", (sample, token_id, logprobs))`` per generated token of sample ``sample``
-      (0 .. best_of-1); ``logprobs`` is None unless asked, else ``(logprob, [(id,
-      logprob), ..])`` with the asked number of alternatives, most likely first;
-    - then one ``("finish", (returned, prompt_logprobs))``: ``returned`` lists the samples
-      to answer with, in choice order, as ``(sample, finish_reason)`` (the ``n`` best of
-      ``best_of``), and ``prompt_logprobs`` (when asked) has the prompt's logprobs in the
-      form above for each position after the first; or one ``("error", message)``.
+      (0 .. best_of-1), ``logprobs`` in the form above or None when not asked;
+    - then one ``("finish", returned)``: the samples to answer with, in choice order, as
+      ``(sample, finish_reason)`` (the ``n`` best of ``best_of``); or one ``("error",
+      message)``.
     """
 
     prompt_ids: list[int]
@@ -245,7 +246,7 @@ def _run_engine(args: argparse.Namespace, commands, events) -> None:
             for result in finished:
                 key = keys.pop(result.request_id)
                 request_ids.pop(key, None)
-                step_events.append((key, ("finish", ([(0, result.finish_reason)], None))))
+                step_events.append((key, ("finish", [(0, result.finish_reason)])))
         if leader and (step_events or batch or engine.has_unfinished()):
             events.send(("step", (step_events, _stats(engine))))
 

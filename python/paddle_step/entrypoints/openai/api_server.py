@@ -233,7 +233,7 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
                 _sse(loop, runs, events, fmt, include_usage), media_type="text/event-stream"
             )
         try:
-            async for _piece in _relay(loop, runs, events, request.is_disconnected):
+            async for _update in _relay(loop, runs, events, request.is_disconnected):
                 pass
         finally:
             _abort_all(loop, runs)
@@ -334,10 +334,11 @@ async def _relay(
     runs: list[_Run],
     events: asyncio.Queue,
     is_disconnected: Callable | None = None,
-) -> AsyncIterator[tuple[_Choice, str]]:
-    """``(choice, text delta)`` as the runs' tokens arrive, until every run has ended;
-    records on each run its choices' finish reasons, prompt logprobs or error. With
-    ``is_disconnected``, stops early once the client has gone."""
+) -> AsyncIterator[tuple[_Run, _Choice | None, str]]:
+    """``(run, choice, text delta)`` as the runs' tokens arrive, and ``(run, None, "")``
+    when a run's prompt logprobs arrive, until every run has ended; records on each run
+    its choices' finish reasons or its error. With ``is_disconnected``, stops early once
+    the client has gone."""
     pending = sum(not run.finished for run in runs)
     while pending:
         if is_disconnected is None:
@@ -357,20 +358,22 @@ async def _relay(
             choice = run.samples[sample]
             if choice.done:  # a stop string already ended it
                 continue
-            yield choice, choice.add(token_id, logprobs)
+            yield run, choice, choice.add(token_id, logprobs)
             if all(choice.done for choice in run.samples.values()):
                 # Every sample stopped on a stop string: the engine need not go on.
                 _abort_all(loop, [run])
                 run.returned = [run.samples[j] for j in range(run.params.n)]
                 run.finished = True
                 pending -= 1
+        elif kind == "prompt_logprobs":
+            run.prompt_logprobs = value
+            yield run, None, ""
         elif kind == "finish":
             run.handle.done = True
-            returned, run.prompt_logprobs = value
-            for sample, reason in returned:
+            for sample, reason in value:
                 choice = run.samples[sample]
-                yield choice, choice.finish(reason)
-            run.returned = [run.samples[sample] for sample, _reason in returned]
+                yield run, choice, choice.finish(reason)
+            run.returned = [run.samples[sample] for sample, _reason in value]
             run.finished = True
             pending -= 1
         else:
@@ -385,11 +388,16 @@ async def _sse(
 ) -> AsyncIterator[str]:
     try:
         for run in runs:
-            for chunk in fmt.first_chunks(run):
-                yield _event(chunk)
-        async for choice, delta in _relay(loop, runs, events):
-            if delta or choice.unsent_logprobs:
-                yield _event(fmt.chunk(choice, delta))
+            if not fmt.waits_for_prompt_logprobs(run):
+                for chunk in fmt.first_chunks(run):
+                    yield _event(chunk)
+        async for run, choice, delta in _relay(loop, runs, events):
+            if choice is None:
+                if fmt.waits_for_prompt_logprobs(run):
+                    for chunk in fmt.first_chunks(run):
+                        yield _event(chunk)
+            elif delta or choice.unsent_logprobs:
+                yield fmt.text_event(choice, delta)
         error = next((run.error for run in runs if run.error is not None), None)
         if error is not None:
             yield _event(ApiError(error, status=500, kind="server_error").body())
@@ -419,6 +427,8 @@ class _Format:
         self.created = int(time.time())
         self.model = model_name
         self.formatter = formatter
+        self.logprobs: int | None = None
+        self._templates: dict[int, list[str]] = {}
 
     def envelope(self, object_name: str, choices: list, **extra) -> dict:
         return {
@@ -448,6 +458,23 @@ class _Format:
 
     def first_chunks(self, run: _Run) -> list[dict]:
         return []
+
+    def waits_for_prompt_logprobs(self, run: _Run) -> bool:
+        """True when the first chunks carry prompt logprobs the engine has yet to send."""
+        return False
+
+    def text_event(self, choice: _Choice, delta: str) -> str:
+        """``_event(self.chunk(choice, delta))``; without logprobs, from a template
+        rendered once per choice, as only the text changes from token to token."""
+        if self.logprobs is not None:
+            return _event(self.chunk(choice, delta))
+        parts = self._templates.get(id(choice))
+        if parts is None:
+            marker = "\x00delta\x00"  # JSON escapes it, so no text can look like it
+            parts = _event(self.chunk(choice, marker)).split(json.dumps(marker))
+            self._templates[id(choice)] = parts
+        head, tail = parts
+        return head + json.dumps(delta, ensure_ascii=False) + tail
 
     def take_logprobs(self, choice: _Choice) -> list:
         """The logprobs of the choice's tokens no chunk has carried yet."""
@@ -489,6 +516,9 @@ class _CompletionFormat(_Format):
                 )
             )  # fmt: skip
         return chunks
+
+    def waits_for_prompt_logprobs(self, run: _Run) -> bool:
+        return run.echo is not None and self.logprobs is not None and run.handle is not None
 
     def _echo_logprobs(self, run: _Run) -> dict | None:
         if self.logprobs is None:
