@@ -22,7 +22,9 @@ import signal
 import threading
 from dataclasses import dataclass, field
 
-__all__ = ["EngineLoop", "RequestHandle", "SamplingParams"]
+from ..sampling_params import SamplingParams
+
+__all__ = ["EngineLoop", "RequestHandle"]
 
 logger = logging.getLogger("paddle_step.serve")
 
@@ -30,23 +32,14 @@ logger = logging.getLogger("paddle_step.serve")
 START_TIMEOUT_S = 600.0
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """What a request asks of the engine, already validated."""
-
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False
-
-
 @dataclass
 class RequestHandle:
     """A submitted request as its HTTP handler sees it.
 
-    Events arrive on ``events``: ``("token", id)`` per generated token, then one of
-    ``("finish", reason)`` or ``("error", message)``.
+    Events arrive on ``events`` (the objects are ``outputs``'): ``("prompt_logprobs",
+    list[TokenLogprobs])`` once its prompt is prefilled, when it asked for them;
+    ``("token", StepToken)`` per generated token (of any of its samples); then one of
+    ``("finish", GenerationResult)`` or ``("error", message)``.
     """
 
     prompt_ids: list[int]
@@ -111,10 +104,7 @@ class EngineLoop:
         """Queues ``handle``'s request; call from the event loop that reads its events."""
         handle.key = next(self._keys)
         self._handles[handle.key] = (handle, asyncio.get_running_loop())
-        params = handle.params
-        eos = [] if params.ignore_eos else None
-        self._send(("add", handle.key, handle.prompt_ids, params.max_new_tokens, eos,
-                    params.temperature, params.top_p, params.seed))  # fmt: skip
+        self._send(("add", handle.key, handle.prompt_ids, handle.params))
 
     def abort(self, handle: RequestHandle) -> None:
         """Cancels ``handle``'s request (a no-op once it has finished)."""
@@ -144,7 +134,7 @@ class EngineLoop:
             events, self.stats = payload
             self._deliver_all(events)
             for key, (event_kind, _value) in events:
-                if event_kind != "token":
+                if event_kind in ("finish", "error"):
                     self._handles.pop(key, None)
 
     def _deliver_all(self, events: list[tuple[int, tuple]]) -> None:
@@ -209,10 +199,9 @@ def _run_engine(args: argparse.Namespace, commands, events) -> None:
             if command[0] == "stop":
                 return
             if command[0] == "add":
-                key, prompt_ids, max_new_tokens, eos, temperature, top_p, seed = command[1:]
+                key, prompt_ids, params = command[1:]
                 try:
-                    request_id = engine.add_request(prompt_ids, max_new_tokens, eos,
-                                                    temperature, top_p, seed=seed)  # fmt: skip
+                    request_id = engine.add_request(prompt_ids, params)
                 except ValueError as error:
                     step_events.append((key, ("error", str(error))))
                     continue
@@ -225,13 +214,13 @@ def _run_engine(args: argparse.Namespace, commands, events) -> None:
             except Exception as error:  # noqa: BLE001 - every client gets it
                 events.send(("failed", f"engine step failed: {type(error).__name__}: {error}"))
                 return
-            step_events += [(keys[request_id], ("token", token))
-                            for request_id, token in engine.last_step_tokens
-                            if request_id in keys]  # fmt: skip
+            step_events += [(keys[token.request_id], ("token", token))
+                            for token in engine.last_step_outputs
+                            if token.request_id in keys]  # fmt: skip
             for result in finished:
                 key = keys.pop(result.request_id)
                 request_ids.pop(key, None)
-                step_events.append((key, ("finish", result.finish_reason)))
+                step_events.append((key, ("finish", result)))
         if leader and (step_events or batch or engine.has_unfinished()):
             events.send(("step", (step_events, _stats(engine))))
 

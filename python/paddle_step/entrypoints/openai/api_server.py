@@ -21,7 +21,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from ...engine.core_client import EngineLoop, RequestHandle, SamplingParams
+from ...engine.core_client import EngineLoop, RequestHandle
+from ...sampling_params import SamplingParams
 from ...tokenizer.detokenizer import IncrementalDetokenizer
 from .metrics import metrics_registry
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest
@@ -125,11 +126,11 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
                 param="max_tokens",
             )
         params = SamplingParams(
-            max_new_tokens=max_tokens,
+            max_tokens=max_tokens,
             temperature=float(body.temperature),
             top_p=float(body.top_p),
             seed=body.seed,
-            ignore_eos=body.ignore_eos,
+            eos_token_id=[] if body.ignore_eos else None,
         )
         detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=True)
         text = TextStream(detokenizer, body.stop_strings())
@@ -200,7 +201,7 @@ async def _relay(
                     return
                 continue
         if kind == "token":
-            delta = text.add(value)
+            delta = text.add(value.token_id)
             if text.stopped:  # a stop string ended the text: the request is done
                 fmt.finish_reason = "stop"
                 yield delta
@@ -209,7 +210,7 @@ async def _relay(
                 yield delta
         elif kind == "finish":
             handle.done = True
-            fmt.finish_reason = "length" if value == "length" else "stop"
+            fmt.finish_reason = "length" if value.finish_reason == "length" else "stop"
             yield text.finish()
             return
         else:
