@@ -24,6 +24,7 @@ from paddle_step.distributed.tensor_parallel import shard_config, shard_weights
 from paddle_step.engine.arg_utils import build_engine
 from paddle_step.entrypoints.openai.cli import parse_args as serve_parse_args
 from paddle_step.model_loader.loader import load_checkpoint
+from paddle_step.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 CHECKPOINTS = REPO / "tests" / "data" / "hf-tiny"
@@ -119,7 +120,9 @@ def test_tp2_sampling_equals_tp1(tmp_path):
 
 def test_check_ranks_names_the_tensor_that_diverged(tmp_path):
     args = ("--model", str(CHECKPOINTS / "llama-tiny"), *TIGHT, "--check-ranks")
-    completed = launch(REPO / "tests" / "distributed" / "tp_diverge.py", *args, log_dir=tmp_path / "log")
+    completed = launch(
+        REPO / "tests" / "distributed" / "tp_diverge.py", *args, log_dir=tmp_path / "log"
+    )
     assert completed.returncode != 0
     message = (
         "--check-ranks: after step 3: tensor 'free_list' differs between rank 0 and rank(s) [1]"
@@ -208,7 +211,7 @@ def test_server_with_tp2_serves_tp1_text_and_frees_everything(tmp_path):
         ids = [loaded.tokenizer.encode(prompt) for prompt in prompts]
         expected = [
             loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-            for result in engine.generate(ids, 20, eos_token_id=[])
+            for result in engine.generate(ids, SamplingParams(max_tokens=20, eos_token_id=[]))
         ]
         assert engine.stats.preemptions > 0
         with ThreadPoolExecutor(len(prompts) + 1) as pool:

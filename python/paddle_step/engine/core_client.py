@@ -34,7 +34,9 @@ START_TIMEOUT_S = 600.0
 
 # The SamplingParams fields the engine applies today; the server refuses requests that
 # set any other away from its default (with a 400 naming it) rather than ignore it.
-ENGINE_SAMPLING_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "seed", "eos_token_id"})
+ENGINE_SAMPLING_FIELDS = frozenset(
+    {"max_tokens", "temperature", "top_p", "seed", "eos_token_id", "stop_token_ids"}
+)
 
 
 def unsupported_fields(params: SamplingParams) -> list[str]:
@@ -60,8 +62,12 @@ class RequestHandle:
     - ``("token", (sample, token_id, logprobs))`` per generated token of sample ``sample``
       (0 .. best_of-1), ``logprobs`` in the form above or None when not asked;
     - then one ``("finish", returned)``: the samples to answer with, in choice order, as
-      ``(sample, finish_reason)`` (the ``n`` best of ``best_of``); or one ``("error",
-      message)``.
+      ``(sample, finish_reason)`` (the ``n`` best of ``best_of``); or one ``("refused",
+      message)`` when the engine refused the request (the client's error), or one
+      ``("error", message)`` when the engine failed.
+
+    The engine process turns ``outputs``' objects into these plain tuples, so the HTTP
+    process needs none of the engine's classes.
     """
 
     prompt_ids: list[int]
@@ -157,7 +163,7 @@ class EngineLoop:
             events, self.stats = payload
             self._deliver_all(events)
             for key, (event_kind, _value) in events:
-                if event_kind != "token":
+                if event_kind in ("finish", "refused", "error"):
                     self._handles.pop(key, None)
 
     def _deliver_all(self, events: list[tuple[int, tuple]]) -> None:
@@ -225,11 +231,9 @@ def _run_engine(args: argparse.Namespace, commands, events) -> None:
             if command[0] == "add":
                 key, prompt_ids, params = command[1:]
                 try:
-                    request_id = engine.add_request(prompt_ids, params.max_tokens,
-                                                    params.eos_token_id, params.temperature,
-                                                    params.top_p, seed=params.seed)  # fmt: skip
-                except ValueError as error:
-                    step_events.append((key, ("error", str(error))))
+                    request_id = engine.add_request(prompt_ids, params)
+                except ValueError as error:  # the client's to fix: the server answers 400
+                    step_events.append((key, ("refused", str(error))))
                     continue
                 request_ids[key], keys[request_id] = request_id, key
             elif command[1] in request_ids:  # abort
@@ -240,15 +244,27 @@ def _run_engine(args: argparse.Namespace, commands, events) -> None:
             except Exception as error:  # noqa: BLE001 - every client gets it
                 events.send(("failed", f"engine step failed: {type(error).__name__}: {error}"))
                 return
-            step_events += [(keys[request_id], ("token", (0, token, None)))
-                            for request_id, token in engine.last_step_tokens
-                            if request_id in keys]  # fmt: skip
+            step_events += [(keys[token.request_id], ("token", (token.index, token.token_id,
+                                                                 _entry(token.logprobs))))
+                            for token in engine.last_step_outputs
+                            if token.request_id in keys]  # fmt: skip
             for result in finished:
                 key = keys.pop(result.request_id)
                 request_ids.pop(key, None)
-                step_events.append((key, ("finish", [(0, result.finish_reason)])))
+                if result.prompt_logprobs is not None:
+                    prompt_logprobs = [_entry(entry) for entry in result.prompt_logprobs]
+                    step_events.append((key, ("prompt_logprobs", prompt_logprobs)))
+                returned = [(output.index, output.finish_reason) for output in result.outputs]
+                step_events.append((key, ("finish", returned)))
         if leader and (step_events or batch or engine.has_unfinished()):
             events.send(("step", (step_events, _stats(engine))))
+
+
+def _entry(logprobs) -> tuple[float, list[tuple[int, float]]] | None:
+    """An ``outputs.TokenLogprobs`` as the plain tuple the server reads."""
+    if logprobs is None:
+        return None
+    return float(logprobs.logprob), [(int(token), float(value)) for token, value in logprobs.top]
 
 
 # While idle, rank 0 broadcasts an empty batch this often, so the other ranks' wait in

@@ -31,17 +31,18 @@ import paddle
 from ..config import EngineConfig
 from ..layers.sampler import sampling_key
 from ..models.llama import LlamaForCausalLM
+from ..sampling_params import SamplingParams
 from ..spec.check_state import StateError
 from ..tokenizer.byte import ByteTokenizer
 from .block_allocator import EncoderBlockAllocator
 from .cpu_threads import default_threads, set_compute_threads
 from .model_runner import ModelRunner
-from .outputs import GenerationResult, GenerationStats, StepOutcome
+from .outputs import GenerationResult, GenerationStats, StepOutcome, StepToken
 from .request import Request
 from .scheduler import Scheduler
 from .slot_state import ShareInputs
 
-__all__ = ["Engine", "GenerationResult", "GenerationStats"]
+__all__ = ["Engine", "GenerationResult", "GenerationStats", "SamplingParams"]
 
 
 class Engine:
@@ -91,8 +92,8 @@ class Engine:
         self.scheduler = Scheduler(config)
         self.runner = ModelRunner(model, config)
         self.stats = GenerationStats()
-        # (request id, token) of every token the last step generated, for streaming.
-        self.last_step_tokens: list[tuple[int, int]] = []
+        # Every token the last step generated, for streaming.
+        self.last_step_outputs: list[StepToken] = []
         self._next_request_id = 0
         self._step_lens = 0  # preempted slots after the previous step
         self._decoder_blocks_in_use = 0
@@ -109,36 +110,26 @@ class Engine:
 
     # ------------------------------------------------------------------ public API
 
-    def add_request(
-        self,
-        prompt_ids: Sequence[int],
-        max_new_tokens: int,
-        eos_token_id: int | Sequence[int] | None = None,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        *,
-        seed: int | None = None,
-    ) -> int:
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> int:
         """Queues a request and returns its id (0, 1, .. in submission order).
 
-        ``eos_token_id``: an id or a list of ids that end the request (``[]``: none, as
-        ``ignore_eos``); None means the engine's ``eos_token_ids``. ``temperature`` 0 is
-        greedy; otherwise tokens are sampled at that temperature from the ``top_p``
-        nucleus, with draws keyed by ``seed`` when given (the same seed gives the same
-        tokens whenever the request arrives). Raises ``ValueError`` for a request the
+        ``params`` (default ``SamplingParams()``) says how it decodes; its
+        ``eos_token_id`` None means the engine's ``eos_token_ids``. Sampled requests draw
+        their random numbers keyed by ``params.seed`` when given (the same seed gives the
+        same tokens whenever the request arrives and whatever shares its batch), else by
+        the engine's seed and the request id. Raises ``ValueError`` for a request the
         engine could never run (empty prompt, ids outside the vocabulary, prompt +
-        max_new_tokens past ``max_model_len``, more prompt blocks than the encoder region
+        max_tokens past ``max_model_len``, more prompt blocks than the encoder region
         holds).
         """
+        params = SamplingParams() if params is None else params
         request_id = self._next_request_id
+        seed = params.seed
         key = sampling_key(seed) if seed is not None else sampling_key(self.seed, request_id)
         request = Request.validated(
             request_id,
             prompt_ids,
-            max_new_tokens,
-            eos_token_id,
-            temperature,
-            top_p,
+            params,
             sampling_key=key,
             default_eos_token_ids=self.eos_token_ids,
             vocab_size=self.model.config.vocab_size,
@@ -196,7 +187,8 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[GenerationResult]:
-        """Runs one iteration (see the module docstring); returns the requests it finished.
+        """Runs one iteration (see the module docstring); returns the requests it finished
+        and leaves the tokens it generated in ``last_step_outputs``.
 
         Raises ``RuntimeError`` if unfinished requests exist but nothing can run, be
         admitted or be recovered (a state the config checks should rule out).
@@ -220,10 +212,8 @@ class Engine:
 
         outcome = runner.sync_host(ran, tokens)
         rows = np.flatnonzero(outcome.ran)
-        self.last_step_tokens = list(
-            zip(scheduler.slot_request_ids[rows].tolist(), outcome.tokens[rows].tolist())
-        )
         scheduler.record(outcome)
+        self.last_step_outputs = scheduler.step_tokens(rows, outcome)
         self._count(outcome)
         finished_slots = scheduler.finished_slots()
         finished = []
@@ -245,30 +235,24 @@ class Engine:
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
-        max_new_tokens: int | Sequence[int],
-        eos_token_id: int | Sequence[int] | None = None,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
         on_finished: Callable[[int], object] | None = None,
     ) -> list[GenerationResult]:
         """Adds ``prompts`` and steps until every request is done.
 
-        ``max_new_tokens`` is one value for all prompts or one per prompt; the other
-        arguments are ``add_request``'s. ``on_finished(n)`` is called after each step that
-        finished ``n > 0`` requests (e.g. a progress bar's ``update``). Returns the results
-        of ``prompts``, in their order.
+        ``params`` is one ``SamplingParams`` for all prompts or one per prompt (default:
+        ``SamplingParams()``). ``on_finished(n)`` is called after each step that finished
+        ``n > 0`` requests (e.g. a progress bar's ``update``). Returns the results of
+        ``prompts``, in their order.
         """
-        if isinstance(max_new_tokens, (int, np.integer)):
-            max_new_tokens = [int(max_new_tokens)] * len(prompts)
-        if len(max_new_tokens) != len(prompts):
+        if params is None or isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
             raise ValueError(
-                f"generate: argument 'max_new_tokens': expected one int or {len(prompts)} "
-                f"(one per prompt), got {len(max_new_tokens)}"
+                f"generate: argument 'params': expected one SamplingParams or {len(prompts)} "
+                f"(one per prompt), got {len(params)}"
             )
-        request_ids = [
-            self.add_request(prompt, limit, eos_token_id, temperature, top_p)
-            for prompt, limit in zip(prompts, max_new_tokens)
-        ]
+        request_ids = [self.add_request(prompt, each) for prompt, each in zip(prompts, params)]
         results: dict[int, GenerationResult] = {}
         while self.has_unfinished():
             finished = self.step()

@@ -16,7 +16,7 @@ from ..layers.sampler import sample_tokens, sampling_uniforms
 from ..models.llama import LlamaForCausalLM
 from ..ops import advance_step, step_paddle
 from .outputs import StepOutcome
-from .request import MAX_EOS_IDS, Request
+from .request import MAX_STOP_IDS, Request
 from .slot_state import ShareInputs
 
 __all__ = ["ModelRunner"]
@@ -70,13 +70,14 @@ class ModelRunner:
         write(state.block_tables, table_rows)
         write(state.used_list_len, 0)
         write(state.pre_ids, np.full((count, config.max_model_len), -1, dtype=np.int64))
-        eos_rows = np.full((count, MAX_EOS_IDS), -1, dtype=np.int64)
+        stop_rows = np.full((count, MAX_STOP_IDS), -1, dtype=np.int64)
         for row, request in enumerate(requests):
-            eos_rows[row, : len(request.eos_token_ids)] = request.eos_token_ids
-        write(state.eos_token_ids, eos_rows)
+            stop_ids = request.eos_token_ids + request.stop_token_ids
+            stop_rows[row, : len(stop_ids)] = stop_ids
+        write(state.eos_token_ids, stop_rows)
         write(state.max_new_tokens, [r.max_new_tokens for r in requests])
-        write(state.temperature, [r.temperature for r in requests])
-        write(state.top_p, [r.top_p for r in requests])
+        write(state.temperature, [r.params.temperature for r in requests])
+        write(state.top_p, [r.params.top_p for r in requests])
         admitted_mask = np.zeros(config.max_batch, dtype=bool)
         admitted_mask[slots] = True
         keep_stopped = paddle.to_tensor(~admitted_mask, place=state.place)

@@ -16,7 +16,15 @@ import numpy as np
 
 from ..config import EngineConfig
 from .block_allocator import EncoderBlockAllocator
-from .outputs import FINISH_ABORT, FINISH_EOS, FINISH_LENGTH, GenerationResult
+from .outputs import (
+    FINISH_ABORT,
+    FINISH_EOS,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerationResult,
+    SampleOutput,
+    StepToken,
+)
 from .request import Request
 
 if TYPE_CHECKING:
@@ -116,7 +124,7 @@ class Scheduler:
             self.step_idx[slots] = 0
             self.slot_request_ids[slots] = [r.request_id for r in requests]
             self.slot_sampling_keys[slots] = [r.sampling_key for r in requests]
-            self.slot_samples[slots] = [r.temperature > 0 for r in requests]
+            self.slot_samples[slots] = [not r.params.greedy for r in requests]
         return slots
 
     def slot_of(self, request_id: int) -> int | None:
@@ -157,21 +165,47 @@ class Scheduler:
         """Slots whose request stopped for good (stopped and not preempted)."""
         return np.flatnonzero(self.live & ~self.running & ~self.preempted)
 
+    def _token_ids(self, slot: int) -> list[int]:
+        """The tokens slot ``slot``'s request keeps (none for ``max_tokens`` 0, whose
+        prefill samples one that is dropped)."""
+        request = self.slot_requests[slot]
+        kept = min(int(self.step_idx[slot]), request.params.max_tokens)
+        return self.generated[slot, 1 : kept + 1].tolist()
+
+    def _finish_reason(self, slot: int) -> str:
+        """Why slot ``slot``'s request stopped (call once it has)."""
+        request = self.slot_requests[slot]
+        last = int(self.generated[slot, self.step_idx[slot]]) if self.step_idx[slot] else -1
+        if request.aborted:
+            return FINISH_ABORT
+        if request.params.max_tokens and last in request.eos_token_ids:
+            return FINISH_EOS
+        if request.params.max_tokens and last in request.stop_token_ids:
+            return FINISH_STOP
+        return FINISH_LENGTH
+
+    def step_tokens(self, rows: np.ndarray, outcome: StepOutcome) -> list[StepToken]:
+        """The tokens a step generated in slots ``rows`` (after ``record``), each with its
+        sample's finish reason when it ended it."""
+        ended = outcome.stopped & ~outcome.preempted
+        tokens = []
+        for slot in rows.tolist():
+            request = self.slot_requests[slot]
+            if request.params.max_tokens == 0:
+                continue
+            reason = self._finish_reason(slot) if ended[slot] else None
+            tokens.append(
+                StepToken(request.request_id, 0, int(outcome.tokens[slot]), finish_reason=reason)
+            )
+        return tokens
+
     def retire(self, slots: np.ndarray) -> list[GenerationResult]:
         """The results of the requests in ``slots``; frees their prompt blocks and slots."""
         results = []
         for slot in slots.tolist():
             request = self.slot_requests[slot]
-            token_ids = self.generated[slot, 1 : self.step_idx[slot] + 1].tolist()
-            if request.aborted:
-                reason = FINISH_ABORT
-            elif token_ids and token_ids[-1] in request.eos_token_ids:
-                reason = FINISH_EOS
-            else:
-                reason = FINISH_LENGTH
-            results.append(
-                GenerationResult(request.request_id, request.prompt_ids, token_ids, reason)
-            )
+            sample = SampleOutput(0, self._token_ids(slot), self._finish_reason(slot))
+            results.append(GenerationResult(request.request_id, request.prompt_ids, [sample]))
             self.encoder_blocks.free(request.encoder_blocks)
             self.slot_requests[slot] = None
         self.live[slots] = False

@@ -20,7 +20,7 @@ import paddle
 from ..config import EngineConfig
 from ..spec.check_state import check_state
 from ..spec.tensor_table import STEP_PADDLE_TENSORS
-from .request import MAX_EOS_IDS
+from .request import MAX_STOP_IDS
 
 __all__ = ["ShareInputs"]
 
@@ -31,7 +31,8 @@ class ShareInputs:
     Attributes named like ``step_paddle``'s arguments (see ``STEP_PADDLE_TENSORS``) are its
     tensors; the others are:
 
-    - ``eos_token_ids`` [B, MAX_EOS_IDS] int64 (-1 pads), ``max_new_tokens`` [B] int64,
+    - ``eos_token_ids`` [B, MAX_STOP_IDS] int64 (-1 pads): the ids that stop the slot
+      (its eos ids, then its stop_token_ids); ``max_new_tokens`` [B] int64,
       ``temperature`` [B] and ``top_p`` [B] float32: each slot's request parameters;
     - ``input_tokens``, ``input_positions``, ``slot_mapping`` [B] int64, ``context_lens``
       [B] int32 and ``decode_active`` [B] bool: ``advance_step``'s outputs, the next
@@ -83,7 +84,7 @@ class ShareInputs:
         self.next_tokens = per_slot(-1, np.int64)
         self.first_token_ids = per_slot(-1, np.int64)
         # --- request parameters ---
-        self.eos_token_ids = tensor(np.full([batch, MAX_EOS_IDS], -1, np.int64))
+        self.eos_token_ids = tensor(np.full([batch, MAX_STOP_IDS], -1, np.int64))
         self.max_new_tokens = per_slot(0, np.int64)
         self.temperature = per_slot(0.0, np.float32)
         self.top_p = per_slot(1.0, np.float32)

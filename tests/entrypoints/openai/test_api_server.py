@@ -19,6 +19,7 @@ import pytest
 
 from paddle_step.engine.arg_utils import build_engine
 from paddle_step.entrypoints.openai import cli as serve
+from paddle_step.sampling_params import SamplingParams
 from paddle_step.testing.server_process import serve_in_thread, server_process
 
 GOLDEN_LLAMA = Path(__file__).resolve().parents[2] / "data" / "hf-tiny" / "llama-tiny"
@@ -84,7 +85,7 @@ def offline(checkpoint):
     def text_of(prompt_ids: list[int], max_tokens: int) -> tuple[str, str, int]:
         key = (tuple(prompt_ids), max_tokens)
         if key not in cache:
-            [result] = engine.generate([prompt_ids], max_tokens)
+            [result] = engine.generate([prompt_ids], SamplingParams(max_tokens=max_tokens))
             reason = "length" if result.finish_reason == "length" else "stop"
             text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
             cache[key] = (text, reason, len(result.token_ids))

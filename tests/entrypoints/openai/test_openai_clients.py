@@ -10,6 +10,7 @@ import pytest
 
 from paddle_step.engine.arg_utils import build_engine
 from paddle_step.entrypoints.openai import cli as serve
+from paddle_step.sampling_params import SamplingParams
 from paddle_step.testing.server_process import serve_in_thread
 
 MODEL = "pydoc-tiny"
@@ -32,7 +33,7 @@ def offline():
     tokenizer = loaded.tokenizer
 
     def generate(prompt_ids: list[int], max_tokens: int) -> tuple[str, str, int]:
-        [result] = engine.generate([prompt_ids], max_tokens)
+        [result] = engine.generate([prompt_ids], SamplingParams(max_tokens=max_tokens))
         reason = "length" if result.finish_reason == "length" else "stop"
         return tokenizer.decode(result.token_ids, True), reason, len(result.token_ids)
 

@@ -239,7 +239,7 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
             _abort_all(loop, runs)
         error = next((run.error for run in runs if run.error is not None), None)
         if error is not None:
-            raise ApiError(error, status=500, kind="server_error")
+            raise error
         return JSONResponse(fmt.whole(runs))
 
     return app
@@ -298,7 +298,7 @@ class _Run:
         self.samples: dict[int, _Choice] = {}
         self.returned: list[_Choice] = []  # in choice order, once finished
         self.prompt_logprobs = None
-        self.error: str | None = None
+        self.error: ApiError | None = None
         self.finished = False
 
     def start(self, tokenizer, stops: list[str], events: asyncio.Queue) -> None:
@@ -376,9 +376,9 @@ async def _relay(
             run.returned = [run.samples[sample] for sample, _reason in value]
             run.finished = True
             pending -= 1
-        else:
+        else:  # "refused" (the engine refused the request) or "error" (it failed)
             run.handle.done = True
-            run.error = value
+            run.error = ApiError(value) if kind == "refused" else _engine_error(value)
             run.finished = True
             pending -= 1
 
@@ -386,23 +386,36 @@ async def _relay(
 async def _sse(
     loop: EngineLoop, runs: list[_Run], events: asyncio.Queue, fmt: _Format, include_usage: bool
 ) -> AsyncIterator[str]:
+    # A run whose first chunks (an echo with logprobs) wait for its prompt logprobs holds
+    # its other chunks back until then, so each choice's chunks stay in order.
+    held: dict[int, list[str]] = {
+        run.index: [] for run in runs if fmt.waits_for_prompt_logprobs(run)
+    }
     try:
         for run in runs:
-            if not fmt.waits_for_prompt_logprobs(run):
+            if run.index not in held:
                 for chunk in fmt.first_chunks(run):
                     yield _event(chunk)
         async for run, choice, delta in _relay(loop, runs, events):
             if choice is None:
-                if fmt.waits_for_prompt_logprobs(run):
+                if run.index in held:
                     for chunk in fmt.first_chunks(run):
                         yield _event(chunk)
+                    for event in held.pop(run.index):
+                        yield event
             elif delta or choice.unsent_logprobs:
-                yield fmt.text_event(choice, delta)
+                event = fmt.text_event(choice, delta)
+                if run.index in held:
+                    held[run.index].append(event)
+                else:
+                    yield event
         error = next((run.error for run in runs if run.error is not None), None)
         if error is not None:
-            yield _event(ApiError(error, status=500, kind="server_error").body())
+            yield _event(error.body())
         else:
             for run in runs:
+                for event in held.pop(run.index, []):
+                    yield event
                 for choice in run.returned:
                     yield _event(fmt.chunk(choice, "", choice.finish_reason))
             if include_usage:
@@ -410,6 +423,10 @@ async def _sse(
         yield "data: [DONE]\n\n"
     finally:  # also when the client went away and the response was cancelled
         _abort_all(loop, runs)
+
+
+def _engine_error(message: str) -> ApiError:
+    return ApiError(message, status=500, kind="server_error")
 
 
 def _event(payload: dict) -> str:
