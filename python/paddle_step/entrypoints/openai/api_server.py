@@ -141,11 +141,13 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
             )
         return max_tokens
 
-    def constraint_of(body):
-        """The structured-output constraint ``response_format`` asks for, or None."""
+    def constraints_of(body) -> Callable[[], object | None]:
+        """A maker of the structured-output constraint ``response_format`` asks for (one
+        per prompt: each keeps its own state); it makes None without one. The schema is
+        compiled once."""
         schema = body.json_schema()
         if schema is None:
-            return None
+            return lambda: None
         tokenizer_file = getattr(tokenizer, "tokenizer_file", None)
         if tokenizer_file is None:
             raise ApiError(
@@ -164,7 +166,7 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
             grammar = compile_json_schema(schema, tokenizer_file, eos_token_ids, vocab_size)
         except ValueError as error:
             raise ApiError(f"'response_format': {error}", param="response_format") from None
-        return JsonSchemaConstraint(grammar, tokenizer_file, eos_token_ids, vocab_size)
+        return lambda: JsonSchemaConstraint(grammar, tokenizer_file, eos_token_ids, vocab_size)
 
     def refuse_unsupported(params: SamplingParams) -> None:
         fields = unsupported_fields(params)
@@ -183,6 +185,7 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
             for prompt in prompts
         ]
         runs: list[_Run] = []
+        new_constraint = constraints_of(body)
         for index, (prompt, prompt_ids) in enumerate(zip(prompts, prompt_ids_list)):
             check_model_and_prompt(body, prompt_ids)
             max_tokens = token_budget(prompt_ids, body.max_tokens, "max_tokens")
@@ -193,7 +196,7 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
                 logprobs=body.logprobs,
                 prompt_logprobs=body.prompt_logprobs_asked(),
                 best_of=best_of if best_of > body.n else None,
-                constraint=constraint_of(body),
+                constraint=new_constraint(),
             )
             refuse_unsupported(params)
             echo = None
@@ -215,7 +218,10 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
         limit_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         max_tokens = token_budget(prompt_ids, body.completion_limit(), limit_name)
         params = body.sampling_params(
-            max_tokens, vocab_size, logprobs=body.logprobs_asked(), constraint=constraint_of(body)
+            max_tokens,
+            vocab_size,
+            logprobs=body.logprobs_asked(),
+            constraint=constraints_of(body)(),
         )
         refuse_unsupported(params)
         fmt = _ChatFormat(model_name, formatter, body.logprobs_asked())
