@@ -158,3 +158,18 @@ def test_bad_schema_is_refused(served):
     )
     assert response.status_code == 400, response.text
     assert "nonsense" in response.json()["error"]["message"]
+
+
+def test_engine_refusal_is_a_400(served):
+    """A request the engine itself refuses (more stop_token_ids than it keeps per slot)
+    answers 400 with the engine's message, and the server goes on serving."""
+    api = client(served)
+    with pytest.raises(openai.BadRequestError, match="stop_token_ids"):
+        api.completions.create(
+            model=MODEL,
+            prompt=PROMPTS[0],
+            max_tokens=2,
+            extra_body={"stop_token_ids": list(range(2, 40))},
+        )
+    after = api.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, temperature=0)
+    assert after.usage.completion_tokens >= 1
