@@ -529,8 +529,8 @@ class _CompletionFormat(_Format):
         for k in range(run.num_returned):
             choice = run.samples[k]
             logprobs = self._echo_logprobs(run)
-            if logprobs is not None:
-                self._offsets[id(choice)] = len(run.echo)
+            if logprobs is not None:  # offsets go on from the prompt tokens' texts
+                self._offsets[id(choice)] = sum(len(text) for text in logprobs["tokens"])
             chunks.append(
                 self.envelope(
                     self.chunk_object,
