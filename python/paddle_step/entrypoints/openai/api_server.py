@@ -141,10 +141,12 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
             )
         return max_tokens
 
-    def constraints_of(body) -> Callable[[], object | None]:
+    async def constraints_of(body) -> Callable[[], object | None]:
         """A maker of the structured-output constraint ``response_format`` asks for (one
         per prompt: each keeps its own state); it makes None without one. The schema is
-        compiled once."""
+        compiled once, in a worker thread: the first compile also builds llguidance's view
+        of the vocabulary (up to a second for a large one), which must not stall the
+        streams in flight."""
         schema = body.json_schema()
         if schema is None:
             return lambda: None
@@ -163,7 +165,9 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
         from ...structured_output import JsonSchemaConstraint, compile_json_schema
 
         try:
-            grammar = compile_json_schema(schema, tokenizer_file, eos_token_ids, vocab_size)
+            grammar = await asyncio.to_thread(
+                compile_json_schema, schema, tokenizer_file, eos_token_ids, vocab_size
+            )
         except ValueError as error:
             raise ApiError(f"'response_format': {error}", param="response_format") from None
         return lambda: JsonSchemaConstraint(grammar, tokenizer_file, eos_token_ids, vocab_size)
@@ -185,7 +189,7 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
             for prompt in prompts
         ]
         runs: list[_Run] = []
-        new_constraint = constraints_of(body)
+        new_constraint = await constraints_of(body)
         for index, (prompt, prompt_ids) in enumerate(zip(prompts, prompt_ids_list)):
             check_model_and_prompt(body, prompt_ids)
             max_tokens = token_budget(prompt_ids, body.max_tokens, "max_tokens")
@@ -221,7 +225,7 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
             max_tokens,
             vocab_size,
             logprobs=body.logprobs_asked(),
-            constraint=constraints_of(body)(),
+            constraint=(await constraints_of(body))(),
         )
         refuse_unsupported(params)
         fmt = _ChatFormat(model_name, formatter, body.logprobs_asked())
