@@ -214,6 +214,9 @@ def _run_engine(args: argparse.Namespace, commands, events) -> None:
             except Exception as error:  # noqa: BLE001 - every client gets it
                 events.send(("failed", f"engine step failed: {type(error).__name__}: {error}"))
                 return
+            step_events += [(keys[request_id], ("prompt_logprobs", entries))
+                            for request_id, entries in engine.last_step_prompt_logprobs.items()
+                            if request_id in keys]  # fmt: skip
             step_events += [(keys[token.request_id], ("token", token))
                             for token in engine.last_step_outputs
                             if token.request_id in keys]  # fmt: skip
