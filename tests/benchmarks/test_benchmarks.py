@@ -49,9 +49,33 @@ def test_bench_ops_quick_json(tmp_path):
         assert row["floor"]["floor"]["median_us"] > 0
     batches = set(report["config"]["batches"])
     assert seen == {(op, b) for op in ("advance_step", "step_paddle") for b in batches}
-    assert {t["target"].split(":")[0] for t in report["targets"]}  # B=256 is in --quick
+    # B=256 is in --quick: the four targets at that size are checked, each against the
+    # results it names.
+    assert {(t["op"], t["B"], t["baseline"]) for t in report["targets"]} >= {
+        ("advance_step", 256, "vectorized"),
+        ("advance_step", 256, "floor"),
+        ("step_paddle", 256, "reference"),
+        ("step_paddle", 256, "floor"),
+    }
     for target in report["targets"]:
-        assert isinstance(target["met"], bool)
+        rows = [r for r in report["results"] if (r["op"], r["B"]) == (target["op"], target["B"])]
+        assert set(target["scenarios"]) == {row["scenario"] for row in rows}, target["target"]
+        for row in rows:
+            op_us = row["impls"]["op"]["median_us"]
+            if target["baseline"] == "floor":
+                base_us = row["floor"]["floor"]["median_us"]
+            else:
+                base_us = row["impls"][target["baseline"]]["median_us"]
+            value = base_us / op_us if target["kind"] == "speedup" else op_us / base_us
+            scenario = target["scenarios"][row["scenario"]]
+            assert scenario["value"] == round(value, 2), target["target"]
+            bound_met = (
+                value >= target["bound"]
+                if target["kind"] == "speedup"
+                else (value <= target["bound"])
+            )
+            assert scenario["met"] is bound_met, target["target"]
+        assert target["met"] is all(s["met"] for s in target["scenarios"].values())
     assert plot.stat().st_size > 1000
 
 

@@ -113,7 +113,8 @@ def _check_lengths_and_lists(
     flat: Mapping[str, np.ndarray], batch_size: int, after_step: bool
 ) -> list[str]:
     """Scalar lengths in range, scratch lists reset, step_block_list agreeing with
-    is_block_step, no negative per-slot length."""
+    is_block_step, preempted slots stopped with no decoded positions, no negative
+    per-slot length."""
     problems = []
     free_list_capacity = flat["free_list"].size
     free_list_len = int(flat["free_list_len"][0])
@@ -161,6 +162,13 @@ def _check_lengths_and_lists(
             )
         if not flat["stop_flags"][slot]:
             problems.append(f"slot {slot} is preempted (is_block_step) but stop_flags is false")
+        # Preemption zeroes seq_lens_decoder and recovery re-prefills from position 0, so
+        # a preempted slot never has cached positions to decode from.
+        if flat["seq_lens_decoder"][slot] != 0:
+            problems.append(
+                f"slot {slot} is preempted (is_block_step) but seq_lens_decoder is "
+                f"{int(flat['seq_lens_decoder'][slot])}, expected 0"
+            )
 
     for name in (
         "seq_lens_this_time",

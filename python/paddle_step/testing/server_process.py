@@ -3,17 +3,20 @@ started on a free port, waited for until ``/health`` answers, and always stopped
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import IO
 
-import httpx
-
-__all__ = ["free_port", "server_process"]
+__all__ = ["ServerProcess", "descendants", "free_port", "server_process", "spawn_server"]
 
 
 def free_port() -> int:
@@ -23,38 +26,90 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+@dataclass
+class ServerProcess:
+    url: str
+    process: subprocess.Popen
+    log_file: IO[str]
+
+    def log(self) -> str:
+        """Everything the server printed so far."""
+        self.log_file.flush()
+        self.log_file.seek(0)
+        return self.log_file.read()
+
+
 @contextmanager
-def server_process(flags: Sequence[str] = (), timeout_s: float = 120.0) -> Iterator[str]:
-    """Yields the URL of a server started with ``flags``; raises ``RuntimeError`` (with
-    the server's output) if it exits or does not answer ``/health`` within ``timeout_s``."""
+def spawn_server(
+    flags: Sequence[str] = (),
+    timeout_s: float = 120.0,
+    module: str = "paddle_step.serve",
+    env: Mapping[str, str] | None = None,
+) -> Iterator[ServerProcess]:
+    """Runs ``python -m module --port P flags`` (with ``env`` added to the environment)
+    and yields it once ``/health`` answers 200; raises ``RuntimeError`` (with the
+    server's output) if it exits or does not answer within ``timeout_s``. The server is
+    terminated, then killed, on the way out if it still runs."""
     port = free_port()
-    command = [sys.executable, "-m", "paddle_step.serve", "--port", str(port), *flags]
+    command = [sys.executable, "-m", module, "--port", str(port), *flags]
     # Its log goes to a file: a pipe nobody reads would fill up and stall the server.
     log = tempfile.TemporaryFile(mode="w+")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})}
+    )
+    server = ServerProcess(f"http://127.0.0.1:{port}", process, log)
     try:
         deadline = time.monotonic() + timeout_s
-        while not _healthy(url):
+        while not _healthy(server.url):
             if process.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"the server exited: {log.read()[-2000:]}")
+                raise RuntimeError(f"the server exited: {server.log()[-2000:]}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the server gave no /health answer within {timeout_s:.0f} s")
             time.sleep(0.3)
-        yield url
+        yield server
     finally:
-        process.terminate()
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(10)
         log.close()
 
 
+@contextmanager
+def server_process(flags: Sequence[str] = (), timeout_s: float = 120.0) -> Iterator[str]:
+    """``spawn_server(flags, timeout_s)``'s URL."""
+    with spawn_server(flags, timeout_s) as server:
+        yield server.url
+
+
+def descendants(pid: int) -> list[int]:
+    """The ids of ``pid``'s children, their children, and so on (Linux ``/proc``)."""
+    found: list[int] = []
+    pending = [pid]
+    while pending:
+        parent = pending.pop()
+        try:
+            threads = os.listdir(f"/proc/{parent}/task")
+        except FileNotFoundError:
+            continue
+        for thread in threads:
+            try:
+                with open(f"/proc/{parent}/task/{thread}/children") as children:
+                    kids = [int(child) for child in children.read().split()]
+            except FileNotFoundError:
+                continue
+            found += kids
+            pending += kids
+    return found
+
+
 def _healthy(url: str) -> bool:
+    # urllib, not httpx: an install check runs this where only the runtime packages are.
     try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.TransportError:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
+            return answer.status == 200
+    except (urllib.error.URLError, OSError):
         return False

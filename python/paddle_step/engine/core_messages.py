@@ -1,0 +1,80 @@
+"""The messages between the server's client (``core_client``) and its engine process
+(``core_proc``), pickled over two one-way pipes. No paddle: the HTTP process imports them.
+A request's ``SamplingParams`` crosses whole, so its ``constraint`` must pickle.
+
+Server to engine: ``AddRequest``, ``AbortRequest``, ``Stop``. Engine to server: ``Ready``
+once, then ``StepOutput`` after each step that produced anything, and ``EngineFailed``
+as its last word if it cannot go on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..sampling_params import SamplingParams
+from .outputs import GenerationResult, StepToken, TokenLogprobs
+
+__all__ = [
+    "AbortRequest",
+    "AddRequest",
+    "EngineFailed",
+    "Ready",
+    "StepOutput",
+    "Stop",
+]
+
+
+# ---------------------------------------------------------------- server -> engine
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    key: int  # the request's id between the two processes
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    key: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Finish nothing more and exit (the server's pipe closing means the same)."""
+
+
+# ---------------------------------------------------------------- engine -> server
+
+
+@dataclass
+class Ready:
+    """The model is loaded. ``info``: model name, ``max_model_len``, ``vocab_size``, pool
+    sizes, threads; ``stats``: the counters ``/metrics`` shows."""
+
+    info: dict
+    stats: dict
+
+
+@dataclass
+class StepOutput:
+    """One step's results, in one message: ``prompt_logprobs`` ``(key, logprobs of prompt
+    positions 1 .. P-1)`` for requests prefilled this step that asked for them, ``tokens``
+    ``(key, StepToken)`` in the order generated, ``finished`` ``(key, GenerationResult)``,
+    ``refused`` ``(key, message)`` for requests the engine would not add (a ``ValueError``
+    of its own). The objects are ``engine.outputs``'."""
+
+    prompt_logprobs: list[tuple[int, list[TokenLogprobs]]] = field(default_factory=list)
+    tokens: list[tuple[int, StepToken]] = field(default_factory=list)
+    finished: list[tuple[int, GenerationResult]] = field(default_factory=list)
+    refused: list[tuple[int, str]] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class EngineFailed:
+    """The engine could not start or raised while stepping; it exits after sending this.
+    ``details``: the traceback, which the server logs once."""
+
+    message: str
+    details: str = ""
