@@ -40,7 +40,6 @@ __all__ = [
     "EngineUnavailable",
     "RequestError",
     "RequestHandle",
-    "unsupported_fields",
 ]
 
 logger = logging.getLogger("paddle_step.serve")
@@ -60,23 +59,6 @@ class RequestError:
 
     message: str
     unavailable: bool = True
-
-
-# The SamplingParams fields the engine applies today; the server refuses requests that
-# set any other away from its default (with a 400 naming it) rather than ignore it.
-ENGINE_SAMPLING_FIELDS = frozenset(
-    {"max_tokens", "temperature", "top_p", "seed", "eos_token_id", "stop_token_ids"}
-)
-
-
-def unsupported_fields(params: SamplingParams) -> list[str]:
-    """The fields of ``params`` set to something the engine cannot apply yet."""
-    defaults = SamplingParams()
-    return [
-        name
-        for name in params.__dataclass_fields__
-        if name not in ENGINE_SAMPLING_FIELDS and getattr(params, name) != getattr(defaults, name)
-    ]
 
 
 @dataclass

@@ -65,6 +65,7 @@ def run_engine(args: argparse.Namespace, commands, events) -> None:
     events.send(Ready(info, _stats(engine)))
     request_ids: dict[int, int] = {}  # server key -> engine request id
     keys: dict[int, int] = {}  # engine request id -> server key
+    draws: dict[int, dict[int, list[int]]] = {}  # best_of > n: request -> draw -> tokens
     while True:
         output = StepOutput()
         batch = _next_commands(engine, commands) if leader else []
@@ -80,8 +81,13 @@ def run_engine(args: argparse.Namespace, commands, events) -> None:
                     output.refused.append((command.key, str(error)))
                     continue
                 request_ids[command.key], keys[request_id] = request_id, command.key
+                params = command.params
+                if params.best_of is not None and params.best_of > params.n:
+                    draws[request_id] = {draw: [] for draw in range(params.best_of)}
             elif isinstance(command, AbortRequest) and command.key in request_ids:
-                engine.abort(request_ids.pop(command.key))
+                request_id = request_ids.pop(command.key)
+                draws.pop(request_id, None)
+                engine.abort(request_id)
         if engine.has_unfinished():
             try:
                 finished = engine.step()  # its time goes into engine.stats.elapsed
@@ -93,22 +99,41 @@ def run_engine(args: argparse.Namespace, commands, events) -> None:
                     )
                 )
                 sys.exit(1)
+            output.prompt_logprobs = [(keys[request_id], [_logprobs(entry) for entry in entries])
+                                      for request_id, entries
+                                      in engine.last_step_prompt_logprobs.items()
+                                      if request_id in keys]  # fmt: skip
             output.tokens = [(keys[token.request_id],
                               (token.index, token.token_id, _logprobs(token.logprobs)))
                              for token in engine.last_step_outputs
                              if token.request_id in keys]  # fmt: skip
+            for token in engine.last_step_outputs:
+                if token.request_id in draws:
+                    draws[token.request_id][token.index].append(token.token_id)
             for result in finished:
                 key = keys.pop(result.request_id)
                 request_ids.pop(key, None)
-                if result.prompt_logprobs is not None:
-                    entries = [_logprobs(entry) for entry in result.prompt_logprobs]
-                    output.prompt_logprobs.append((key, entries))
-                returned = [(sample.index, sample.finish_reason) for sample in result.outputs]
-                output.finished.append((key, returned))
+                drawn = draws.pop(result.request_id, None)
+                output.finished.append((key, _returned(result, drawn)))
         if leader and (output.tokens or output.finished or output.refused or batch
                        or engine.has_unfinished()):  # fmt: skip
             output.stats = _stats(engine)
             events.send(output)
+
+
+def _returned(result, drawn: dict[int, list[int]] | None) -> list[tuple[int, str]]:
+    """``(draw, finish reason)`` of each sample ``result`` returns, in its order. With
+    ``best_of`` > ``n`` the engine numbers the returned samples 0 .. n-1; ``drawn`` (each
+    draw's tokens, as streamed) gives back the draw each one is, which is how the server
+    knows its tokens (draws with the same tokens are interchangeable)."""
+    if drawn is None:
+        return [(sample.index, sample.finish_reason) for sample in result.outputs]
+    returned = []
+    for sample in result.outputs:
+        draw = next(d for d, tokens in drawn.items() if tokens == sample.token_ids)
+        drawn.pop(draw)
+        returned.append((draw, sample.finish_reason))
+    return returned
 
 
 def _logprobs(entry) -> tuple[float, list[tuple[int, float]]] | None:

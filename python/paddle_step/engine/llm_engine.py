@@ -29,7 +29,7 @@ import numpy as np
 import paddle
 
 from ..config import EngineConfig
-from ..layers.sampler import sampling_key
+from ..layers.sampler import sample_key, sampling_key, token_logprobs
 from ..models.llama import LlamaForCausalLM
 from ..sampling_params import SamplingParams
 from ..spec.check_state import StateError
@@ -37,9 +37,9 @@ from ..tokenizer.byte import ByteTokenizer
 from .block_allocator import EncoderBlockAllocator
 from .cpu_threads import default_threads, set_compute_threads
 from .model_runner import ModelRunner
-from .outputs import GenerationResult, GenerationStats, StepOutcome, StepToken
+from .outputs import GenerationResult, GenerationStats, StepOutcome, StepToken, TokenLogprobs
 from .request import Request
-from .scheduler import Scheduler
+from .scheduler import AbortedRequest, Scheduler, StepLogprobs
 from .slot_state import ShareInputs
 
 __all__ = ["Engine", "GenerationResult", "GenerationStats", "SamplingParams"]
@@ -92,8 +92,10 @@ class Engine:
         self.scheduler = Scheduler(config)
         self.runner = ModelRunner(model, config)
         self.stats = GenerationStats()
-        # Every token the last step generated, for streaming.
+        # Every token the last step generated, for streaming; and the prompt logprobs of
+        # the requests it prefilled that asked for them, by request id.
         self.last_step_outputs: list[StepToken] = []
+        self.last_step_prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
         self._next_request_id = 0
         self._step_lens = 0  # preempted slots after the previous step
         self._decoder_blocks_in_use = 0
@@ -135,6 +137,8 @@ class Engine:
             vocab_size=self.model.config.vocab_size,
             config=self.config,
         )
+        draws = params.best_of or params.n
+        request.add_samples([sample_key(key, index) for index in range(1, draws)])
         self._next_request_id += 1
         self.scheduler.waiting.append(request)
         return request.request_id
@@ -168,19 +172,22 @@ class Engine:
     def abort(self, request_id: int) -> bool:
         """Cancels a request; returns whether it was still unfinished.
 
-        A waiting request just leaves the queue. A request in a slot is stopped on the
-        device and finishes through the same path as any finished request: the next
+        A waiting request just leaves the queue. Each of its samples in a slot is stopped
+        on the device and finishes through the same path as any finished one: the next
         ``step`` has ``step_paddle`` free its decoder blocks, then retires it (prompt
         blocks and slot freed) with ``finish_reason`` ``"abort"``. Call between steps.
         """
         aborted = self.scheduler.abort(request_id)
-        if aborted is None:
-            return False
-        if aborted.slot is not None:
-            self.runner.abort_slot(aborted.slot, aborted.was_preempted)
-        if aborted.was_preempted:
+        for each in aborted:
+            if each.slot is not None:
+                self._stop_slot(each)
+        return bool(aborted)
+
+    def _stop_slot(self, stopped: AbortedRequest) -> None:
+        """Stops a slot the scheduler took out of the running (abort, constraint)."""
+        self.runner.abort_slot(stopped.slot, stopped.was_preempted)
+        if stopped.was_preempted:
             self._step_lens -= 1  # it left step_block_list without being recovered
-        return True
 
     def has_unfinished(self) -> bool:
         """Whether any request is waiting, running or preempted."""
@@ -188,22 +195,31 @@ class Engine:
 
     def step(self) -> list[GenerationResult]:
         """Runs one iteration (see the module docstring); returns the requests it finished
-        and leaves the tokens it generated in ``last_step_outputs``.
+        and leaves the tokens it generated in ``last_step_outputs`` (and the prompt
+        logprobs of requests it prefilled, when asked, in ``last_step_prompt_logprobs``).
 
         Raises ``RuntimeError`` if unfinished requests exist but nothing can run, be
         admitted or be recovered (a state the config checks should rule out).
         """
         started = time.perf_counter()
         scheduler, runner = self.scheduler, self.runner
+        for stopped in scheduler.take_constraint_stops():
+            self._stop_slot(stopped)
         admitted = scheduler.admit()
         if admitted:
             runner.write_admitted(admitted, [scheduler.slot_requests[s] for s in admitted])
         ran_any = bool(scheduler.running.any())
         # Rows with tokens this step: running (new or recovered prefills, and decodes).
         ran = paddle.logical_not(runner.state.stop_flags)
+        logprobs = None
+        self.last_step_prompt_logprobs = {}
         if ran_any:
-            logits = runner.forward()
-            tokens = runner.sample(logits, self._uniforms())
+            prompt_rows = self._prompt_logprob_rows(admitted)
+            logits, prompt_logits = runner.forward(scheduler.fork_sources, prompt_rows)
+            if prompt_rows:
+                self._record_prompt_logprobs(prompt_rows, prompt_logits)
+            plan = scheduler.sampling_plan(self.model.config.vocab_size)
+            tokens, logprobs = runner.sample(logits, self._uniforms(), plan)
             runner.update_inputs(ran, tokens)
         else:
             tokens = paddle.zeros_like(runner.state.next_tokens)
@@ -212,7 +228,8 @@ class Engine:
 
         outcome = runner.sync_host(ran, tokens)
         rows = np.flatnonzero(outcome.ran)
-        scheduler.record(outcome)
+        scheduler.record(outcome, _on_host(logprobs))
+        scheduler.advance_constraints(rows, outcome)
         self.last_step_outputs = scheduler.step_tokens(rows, outcome)
         self._count(outcome)
         finished_slots = scheduler.finished_slots()
@@ -263,6 +280,43 @@ class Engine:
 
     # ------------------------------------------------------------------ step parts
 
+    def _prompt_logprob_rows(self, admitted: list[int]) -> list[tuple[int, int]]:
+        """(slot, prompt length) of the requests admitted this step that ask for prompt
+        logprobs (their first sample only; a recovery's re-prefill never repeats them).
+        A one-token prompt has no position with context: its list is empty at once."""
+        rows = []
+        for slot in admitted:
+            request = self.scheduler.slot_requests[slot]
+            if request.index == 0 and request.params.prompt_logprobs is not None:
+                if len(request.prompt_ids) > 1:
+                    rows.append((slot, len(request.prompt_ids)))
+                else:
+                    request.prompt_logprobs = []
+                    self.last_step_prompt_logprobs[request.request_id] = []
+        return rows
+
+    def _record_prompt_logprobs(self, rows: list[tuple[int, int]], logits: paddle.Tensor) -> None:
+        """Turns the prompt logits of ``rows`` into each request's ``prompt_logprobs``."""
+        requests = [self.scheduler.slot_requests[slot] for slot, _ in rows]
+        top = max(request.params.prompt_logprobs for request in requests)
+        targets = np.concatenate([request.prompt_ids[1:] for request in requests])
+        chosen, ids, values = _on_host(
+            token_logprobs(logits, paddle.to_tensor(targets.astype(np.int64)), top)
+        )
+        start = 0
+        for request in requests:
+            k, count = request.params.prompt_logprobs, len(request.prompt_ids) - 1
+            request.prompt_logprobs = [
+                TokenLogprobs(
+                    int(targets[i]),
+                    float(chosen[i]),
+                    list(zip(ids[i, :k].tolist(), values[i, :k].tolist())) if k else [],
+                )
+                for i in range(start, start + count)
+            ]
+            start += count
+            self.last_step_prompt_logprobs[request.request_id] = request.prompt_logprobs
+
     def _uniforms(self) -> paddle.Tensor | None:
         """This step's random draw per slot, or None when every running slot is greedy."""
         scheduler = self.scheduler
@@ -293,3 +347,10 @@ class Engine:
         )
         if problems:
             raise StateError(problems)
+
+
+def _on_host(logprobs: tuple | None) -> StepLogprobs | None:
+    """``token_logprobs``' tensors as NumPy arrays."""
+    if logprobs is None:
+        return None
+    return StepLogprobs(*(None if t is None else t.numpy() for t in logprobs))

@@ -11,12 +11,19 @@ import numpy as np
 import paddle
 
 from ..config import EngineConfig
-from ..layers.paged_attention import PagedKVCache, build_flat_batch
-from ..layers.sampler import sample_tokens, sampling_uniforms
+from ..layers.paged_attention import PagedKVCache, build_flat_batch, slots_through_table
+from ..layers.sampler import (
+    SamplingControls,
+    apply_controls,
+    sample_tokens,
+    sampling_uniforms,
+    token_logprobs,
+)
 from ..models.llama import LlamaForCausalLM
 from ..ops import advance_step, step_paddle
 from .outputs import StepOutcome
-from .request import MAX_STOP_IDS, Request
+from .request import MAX_LOGIT_BIAS, MAX_STOP_IDS, Request
+from .scheduler import SamplingPlan
 from .slot_state import ShareInputs
 
 __all__ = ["ModelRunner"]
@@ -76,19 +83,47 @@ class ModelRunner:
             stop_rows[row, : len(stop_ids)] = stop_ids
         write(state.eos_token_ids, stop_rows)
         write(state.max_new_tokens, [r.max_new_tokens for r in requests])
-        write(state.temperature, [r.params.temperature for r in requests])
-        write(state.top_p, [r.params.top_p for r in requests])
+        params = [r.params for r in requests]
+        write(state.temperature, [p.temperature for p in params])
+        write(state.top_p, [p.top_p for p in params])
+        write(state.top_k, [max(p.top_k, 0) for p in params])
+        write(state.min_p, [p.min_p for p in params])
+        write(state.presence_penalty, [p.presence_penalty for p in params])
+        write(state.frequency_penalty, [p.frequency_penalty for p in params])
+        write(state.repetition_penalty, [p.repetition_penalty for p in params])
+        write(state.min_tokens, [p.min_tokens for p in params])
+        bias_ids = np.full((count, MAX_LOGIT_BIAS), -1, dtype=np.int64)
+        bias_values = np.zeros((count, MAX_LOGIT_BIAS), dtype=np.float32)
+        for row, p in enumerate(params):
+            bias_ids[row, : len(p.logit_bias)] = list(p.logit_bias)
+            bias_values[row, : len(p.logit_bias)] = list(p.logit_bias.values())
+        write(state.logit_bias_ids, bias_ids)
+        write(state.logit_bias_values, bias_values)
         admitted_mask = np.zeros(config.max_batch, dtype=bool)
         admitted_mask[slots] = True
         keep_stopped = paddle.to_tensor(~admitted_mask, place=state.place)
         paddle.assign(paddle.logical_and(state.stop_flags, keep_stopped), output=state.stop_flags)
 
-    def forward(self) -> paddle.Tensor:
-        """Logits [B, vocab] of every running slot's last token this step."""
+    def forward(
+        self, forks: dict[int, int], prompt_rows: list[tuple[int, int]]
+    ) -> tuple[paddle.Tensor, paddle.Tensor | None]:
+        """Logits [B, vocab] of every running slot's last token this step.
+
+        ``forks`` (slot -> slot): samples admitted this step that share another slot's
+        prompt: they are left out of the forward, get that slot's prompt K/V copied into
+        their own blocks and its logits as theirs. ``prompt_rows`` (slot, prompt length):
+        fresh prefills whose prompt logprobs are asked; their logits at positions 0 ..
+        P-2 come back too, [sum(P - 1), vocab] in that order (None without any).
+        """
         state = self.state
+        lens = state.seq_lens_this_time
+        if forks:
+            computed = np.ones(self.config.max_batch, dtype=np.int32)
+            computed[list(forks)] = 0
+            lens = lens * paddle.to_tensor(computed, place=state.place)
         batch = build_flat_batch(
             state.input_ids,
-            state.seq_lens_this_time,
+            lens,
             state.seq_lens_decoder,
             state.block_tables,
             self.config.block_size,
@@ -103,17 +138,107 @@ class ModelRunner:
             ("slot_mapping", state.slot_mapping),
         ):
             batch[key] = paddle.where(is_decode, paddle.gather(prepared, rows), batch[key])
-        return self.model.forward_paged(**batch, kv_cache=self.kv_cache)
+        prompt_logits = None
+        if prompt_rows:
+            last = batch["last_token_index"].numpy()
+            index = np.concatenate(
+                [np.arange(last[slot] - length + 1, last[slot]) for slot, length in prompt_rows]
+            )
+            logits, prompt_logits = self.model.forward_paged(
+                **batch, kv_cache=self.kv_cache, extra_index=paddle.to_tensor(index)
+            )
+        else:
+            logits = self.model.forward_paged(**batch, kv_cache=self.kv_cache)
+        if forks:
+            self._copy_prompt_kv(forks)
+            source = np.arange(self.config.max_batch)
+            source[list(forks)] = list(forks.values())
+            logits = paddle.gather(logits, paddle.to_tensor(source, place=state.place))
+        return logits, prompt_logits
+
+    def _copy_prompt_kv(self, forks: dict[int, int]) -> None:
+        """Copies each source slot's prompt K/V (written by this step's prefill) into the
+        blocks of the slots forked from it."""
+        state = self.state
+        prompt_lens = state.seq_lens_this_time.numpy()
+        children = list(forks)
+        lengths = prompt_lens[children]
+        positions = np.concatenate([np.arange(length) for length in lengths])
+        child_rows = np.repeat(children, lengths)
+        source_rows = np.repeat([forks[child] for child in children], lengths)
+
+        def slots(rows: np.ndarray) -> paddle.Tensor:
+            tables = paddle.gather(state.block_tables, paddle.to_tensor(rows.astype(np.int64)))
+            at = paddle.to_tensor(positions.astype(np.int64)).unsqueeze(1)
+            return slots_through_table(tables, at, self.config.block_size).squeeze(1)
+
+        self.kv_cache.copy_slots(slots(source_rows), slots(child_rows))
 
     def uniforms(self, sampling_keys: np.ndarray, token_index: np.ndarray) -> paddle.Tensor:
         """This step's random draw per slot, keyed by its request's key and token index."""
         draws = sampling_uniforms(sampling_keys, token_index)
         return paddle.to_tensor(draws, place=self.state.place)
 
-    def sample(self, logits: paddle.Tensor, uniforms: paddle.Tensor | None) -> paddle.Tensor:
-        """One token per slot, with each slot's temperature and top_p."""
+    def sample(
+        self, logits: paddle.Tensor, uniforms: paddle.Tensor | None, plan: SamplingPlan
+    ) -> tuple[paddle.Tensor, tuple | None]:
+        """One token per slot, with each slot's sampling controls; and, when ``plan``
+        asks, ``token_logprobs`` of the raw logits (before any control)."""
         state = self.state
-        return sample_tokens(logits, state.temperature, state.top_p, uniforms)
+        if plan.is_plain:  # the greedy / temperature-only batch: nothing else to do
+            return sample_tokens(logits, state.temperature, state.top_p, uniforms), None
+        controls = self._controls(plan)
+        processed = apply_controls(logits, controls) if controls.changes_logits() else logits
+        tokens = sample_tokens(processed, state.temperature, state.top_p, uniforms,
+                               top_k=controls.top_k, min_p=controls.min_p)  # fmt: skip
+        logprobs = None
+        if plan.logprobs_top is not None:
+            logprobs = token_logprobs(logits, tokens, plan.logprobs_top)
+        return tokens, logprobs
+
+    def _controls(self, plan: SamplingPlan) -> SamplingControls:
+        """The controls ``plan`` needs, from the slot state (FastDeploy computes its
+        penalties from ``pre_ids`` too)."""
+        state = self.state
+        controls = SamplingControls()
+        if plan.allowed is not None:
+            controls.allowed = paddle.to_tensor(plan.allowed, place=state.place)
+        if plan.min_tokens:
+            under = (
+                (state.step_idx < state.min_tokens).unsqueeze(1).expand(state.eos_token_ids.shape)
+            )
+            controls.banned = paddle.where(
+                under, state.eos_token_ids, paddle.full_like(state.eos_token_ids, -1)
+            )
+        if plan.bias_width:
+            controls.bias_ids = state.logit_bias_ids[:, : plan.bias_width]
+            controls.bias_values = state.logit_bias_values[:, : plan.bias_width]
+        if plan.penalties or plan.repetition:
+            columns = paddle.arange(state.pre_ids.shape[1], dtype="int64").unsqueeze(0)
+            # pre_ids column k is the k-th generated token; column 0 is scratch.
+            generated = (columns >= 1) & (columns <= state.step_idx.unsqueeze(1))
+            controls.output_tokens = paddle.where(
+                generated, state.pre_ids, paddle.full_like(state.pre_ids, -1)
+            )
+        if plan.penalties:
+            controls.presence_penalty = state.presence_penalty
+            controls.frequency_penalty = state.frequency_penalty
+        if plan.repetition:
+            controls.repetition_penalty = state.repetition_penalty
+            # input_ids holds the prompt except column 0, which update_inputs reuses.
+            columns = paddle.arange(state.input_ids.shape[1], dtype="int64").unsqueeze(0)
+            in_prompt = (columns >= 1) & (
+                columns < state.ori_seq_lens_encoder.astype("int64").unsqueeze(1)
+            )
+            rest = paddle.where(in_prompt, state.input_ids, paddle.full_like(state.input_ids, -1))
+            controls.prompt_tokens = paddle.concat(
+                [state.first_token_ids.unsqueeze(1), rest[:, 1:]], axis=1
+            )
+        if plan.top_k:
+            controls.top_k = state.top_k
+        if plan.min_p:
+            controls.min_p = state.min_p
+        return controls
 
     def update_inputs(self, ran: paddle.Tensor, tokens: paddle.Tensor) -> None:
         """FastDeploy's update_inputs and stop checks, over the whole batch at once.

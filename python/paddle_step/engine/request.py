@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..sampling_params import SamplingParams
+from .outputs import TokenLogprobs
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from ..config import EngineConfig
 
-__all__ = ["MAX_EOS_IDS", "MAX_STOP_IDS", "MAX_STOP_TOKEN_IDS", "Request", "normalize_eos"]
+__all__ = [
+    "MAX_EOS_IDS",
+    "MAX_LOGIT_BIAS",
+    "MAX_STOP_IDS",
+    "MAX_STOP_TOKEN_IDS",
+    "Request",
+    "normalize_eos",
+]
 
 
 # Room for each slot's stop ids on the device: eos ids (Llama 3 checkpoints list three)
@@ -22,6 +30,8 @@ __all__ = ["MAX_EOS_IDS", "MAX_STOP_IDS", "MAX_STOP_TOKEN_IDS", "Request", "norm
 MAX_EOS_IDS = 8
 MAX_STOP_TOKEN_IDS = 8
 MAX_STOP_IDS = MAX_EOS_IDS + MAX_STOP_TOKEN_IDS
+# Room for each slot's logit_bias entries on the device (OpenAI's own API caps them at 300).
+MAX_LOGIT_BIAS = 300
 
 
 def normalize_eos(
@@ -50,7 +60,7 @@ def _check_token_ids(name: str, ids, vocab_size: int) -> None:
         )
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     """A validated request; ``encoder_blocks`` are its prompt blocks once admitted.
 
@@ -67,6 +77,27 @@ class Request:
     sampling_key: int
     encoder_blocks: list[int] = field(default_factory=list)
     aborted: bool = False
+    constraint_finished: bool = False  # its constraint admits nothing more
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    index: int = 0  # which sample of its request this is (n, best_of)
+    # Every sample of the request, this one included (one list, shared by all of them).
+    samples: list[Request] = field(default_factory=list, repr=False)
+
+    def add_samples(self, sampling_keys: Sequence[int]) -> None:
+        """Adds samples 1, 2, .. to this (first) sample, one per key: the same request
+        with its own draws."""
+        for key in sampling_keys:
+            sample = replace(self, sampling_key=key, encoder_blocks=[], index=len(self.samples))
+            self.samples.append(sample)
+
+    @property
+    def logprobs_top(self) -> int | None:
+        """How many top alternatives its tokens' logprobs need (0: only the token's own,
+        for ``best_of``), or None when it needs none."""
+        params = self.params
+        if params.logprobs is not None:
+            return params.logprobs
+        return 0 if (params.best_of or params.n) > params.n else None
 
     @property
     def max_new_tokens(self) -> int:
@@ -113,6 +144,7 @@ class Request:
             normalize_eos(params.eos_token_id, default_eos_token_ids, vocab_size),
             sampling_key,
         )
+        request.samples.append(request)
         total = len(prompt) + request.max_new_tokens
         if total > max_len:
             raise ValueError(
@@ -132,19 +164,22 @@ class Request:
                 f"{MAX_STOP_TOKEN_IDS} ids, got {len(params.stop_token_ids)}"
             )
         _check_token_ids("logit_bias", params.logit_bias, vocab_size)
-        _refuse_unsupported(params)
-        return request
-
-
-def _refuse_unsupported(params: SamplingParams) -> None:
-    """Raises ``ValueError`` naming a field the engine does not honour yet (never ignored)."""
-    defaults = SamplingParams()
-    for name in ("top_k", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "logit_bias", "min_tokens", "logprobs",
-                 "prompt_logprobs", "n", "best_of", "constraint"):  # fmt: skip
-        value = getattr(params, name)
-        if value != getattr(defaults, name) and not (name == "top_k" and value == -1):
+        if len(params.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(
-                f"add_request: argument '{name}': expected {getattr(defaults, name)!r} "
-                f"(not supported yet), got {value!r}"
+                f"add_request: argument 'logit_bias': expected at most {MAX_LOGIT_BIAS} "
+                f"entries, got {len(params.logit_bias)}"
             )
+        draws = params.best_of or params.n
+        if draws > 1 and params.constraint is not None:
+            raise ValueError(
+                f"add_request: argument 'n': expected 1 with a constraint (one constraint "
+                f"object follows one sample), got n={params.n}, best_of={params.best_of}"
+            )
+        if draws > config.max_batch or needed * draws > config.num_encoder_blocks:
+            raise ValueError(
+                f"add_request: {draws} samples (n={params.n}, best_of={params.best_of}) of a "
+                f"{len(prompt)}-token prompt need {draws} slots and {needed * draws} encoder "
+                f"blocks, expected <= max_batch ({config.max_batch}) and <= "
+                f"{config.num_encoder_blocks} (the encoder region)"
+            )
+        return request

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -24,32 +25,88 @@ from .outputs import (
     GenerationResult,
     SampleOutput,
     StepToken,
+    TokenLogprobs,
 )
 from .request import Request
 
 if TYPE_CHECKING:
     from .outputs import StepOutcome
 
-__all__ = ["Scheduler"]
+__all__ = ["SamplingPlan", "Scheduler", "StepLogprobs"]
 
 logger = logging.getLogger(__name__)
 
 
 class AbortedRequest(NamedTuple):
-    """What ``Scheduler.abort`` took out: the slot it ran in (None: it was waiting)."""
+    """What ``Scheduler.abort`` took out: a slot one of its samples ran in (None: it was
+    waiting)."""
 
     slot: int | None
     was_preempted: bool
 
 
+# Columns of Scheduler.slot_controls: the sampling controls a slot's request uses.
+PENALTIES, REPETITION, LOGIT_BIAS, MIN_TOKENS, TOP_K, MIN_P, CONSTRAINT = range(7)
+
+
+def _controls_of(request: Request) -> list[bool]:
+    params = request.params
+    return [
+        bool(params.presence_penalty or params.frequency_penalty),
+        params.repetition_penalty != 1.0,
+        bool(params.logit_bias),
+        params.min_tokens > 0,
+        params.top_k > 0,
+        params.min_p > 0.0,
+        params.constraint is not None,
+    ]
+
+
+@dataclass
+class SamplingPlan:
+    """What this step's sampling needs, from the running slots' requests: which controls
+    some slot uses (the others are skipped), the widest ``logit_bias``, the allowed-token
+    mask of constrained slots ([B, V], all True elsewhere), and the most logprob
+    alternatives a slot asks for (None: no slot needs logprobs)."""
+
+    penalties: bool = False
+    repetition: bool = False
+    bias_width: int = 0
+    min_tokens: bool = False
+    top_k: bool = False
+    min_p: bool = False
+    allowed: np.ndarray | None = None
+    logprobs_top: int | None = None
+
+    @property
+    def is_plain(self) -> bool:
+        """Nothing but temperature and top_p: the sampler's fast path."""
+        return not (
+            self.penalties or self.repetition or self.bias_width or self.min_tokens
+            or self.top_k or self.min_p or self.allowed is not None
+            or self.logprobs_top is not None
+        )  # fmt: skip
+
+
+class StepLogprobs(NamedTuple):
+    """A step's logprobs on the host, per slot: of the sampled token [B], and the top
+    alternatives' ids and logprobs [B, k] (None when no slot asked for any)."""
+
+    chosen: np.ndarray
+    top_ids: np.ndarray | None
+    top_values: np.ndarray | None
+
+
 class Scheduler:
     """Which request is in which slot, and which requests wait.
 
-    Slot mirrors: ``live`` (holds a request, running or preempted), ``running`` (not
-    ``stop_flags``), ``preempted`` (``is_block_step``), ``step_idx``, the slot's request
-    id, its sampling key and whether it samples (temperature > 0); ``generated[b, k]`` is
-    the k-th token
-    (1-based, like ``pre_ids``) of slot b's request.
+    Each slot holds one sample of a request (a request with ``n`` or ``best_of`` > 1
+    takes that many slots, admitted together). Slot mirrors: ``live`` (holds a sample,
+    running or preempted), ``running`` (not ``stop_flags``), ``preempted``
+    (``is_block_step``), ``step_idx``, the slot's request id, its sampling key, whether it
+    samples (temperature > 0), the sampling controls it uses and the logprobs it needs;
+    ``generated[b, k]`` is the k-th token (1-based, like ``pre_ids``) of slot b's sample,
+    ``token_logprobs[b]`` their logprobs when asked.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -65,7 +122,16 @@ class Scheduler:
         self.slot_request_ids = np.full(batch, -1, dtype=np.int64)
         self.slot_sampling_keys = np.zeros(batch, dtype=np.uint64)
         self.slot_samples = np.zeros(batch, dtype=bool)
+        self.slot_controls = np.zeros((batch, CONSTRAINT + 1), dtype=bool)
+        self.slot_bias_width = np.zeros(batch, dtype=np.int64)
+        self.slot_logprobs_top = np.full(batch, -1, dtype=np.int64)  # -1: none
         self.generated = np.full((batch, config.max_model_len), -1, dtype=np.int64)
+        self.token_logprobs: list[list[TokenLogprobs]] = [[] for _ in range(batch)]
+        # Samples admitted this step that copy their first sample's prefill: slot -> the
+        # slot of that first sample (see docs/serving.md, "n and best_of").
+        self.fork_sources: dict[int, int] = {}
+        # Finished samples of requests with samples still running.
+        self._finished_samples: dict[int, list[SampleOutput]] = {}
         self._logged_prompt_region_full = False
 
     def _note_prompt_region_full(self, request: Request) -> None:
@@ -95,28 +161,35 @@ class Scheduler:
         return bool((self.slot_samples & self.running).any())
 
     def admit(self) -> list[int]:
-        """Moves waiting requests (FIFO) into free slots while their prompt blocks are
-        available; returns the slots they took."""
+        """Moves waiting requests (FIFO) into free slots, each with all its samples, while
+        their prompt blocks are available; returns the slots they took. Sets
+        ``fork_sources`` for the samples after the first."""
+        self.fork_sources = {}
         # Preempted sequences come back first: admitting more would compete with them
         # for the decoder pool and could keep them out indefinitely.
         if not self.waiting or self.preempted.any():
             return []
+        free = np.flatnonzero(~self.live).tolist()
         slots: list[int] = []
-        for slot in np.flatnonzero(~self.live).tolist():
-            if not self.waiting:
-                break
+        while self.waiting:
             request = self.waiting[0]
-            blocks = self.encoder_blocks.allocate(
-                self.config.encoder_blocks_for(len(request.prompt_ids))
-            )
-            if blocks is None:
+            samples = request.samples
+            if len(samples) > len(free) - len(slots):
+                break
+            needed = self.config.encoder_blocks_for(len(request.prompt_ids))
+            if self.encoder_blocks.num_free < needed * len(samples):
                 # The head of the queue waits for prompt blocks; FIFO keeps order.
                 self._note_prompt_region_full(request)
                 break
             self.waiting.popleft()
-            request.encoder_blocks = blocks
-            self.slot_requests[slot] = request
-            slots.append(slot)
+            first = free[len(slots)]
+            for sample in samples:
+                slot = free[len(slots)]
+                sample.encoder_blocks = self.encoder_blocks.allocate(needed)
+                self.slot_requests[slot] = sample
+                if sample is not request:
+                    self.fork_sources[slot] = first
+                slots.append(slot)
         if slots:
             requests = [self.slot_requests[slot] for slot in slots]
             self.live[slots] = True
@@ -125,92 +198,188 @@ class Scheduler:
             self.slot_request_ids[slots] = [r.request_id for r in requests]
             self.slot_sampling_keys[slots] = [r.sampling_key for r in requests]
             self.slot_samples[slots] = [not r.params.greedy for r in requests]
+            self.slot_controls[slots] = [_controls_of(r) for r in requests]
+            self.slot_bias_width[slots] = [len(r.params.logit_bias) for r in requests]
+            self.slot_logprobs_top[slots] = [
+                -1 if r.logprobs_top is None else r.logprobs_top for r in requests
+            ]
+            for slot in slots:
+                self.token_logprobs[slot] = []
         return slots
 
+    def sampling_plan(self, vocab_size: int) -> SamplingPlan:
+        """What sampling needs this step, from the slots that run it."""
+        running = self.running
+        if not (self.slot_controls[running].any() or (self.slot_logprobs_top[running] >= 0).any()):
+            return SamplingPlan()
+        used = self.slot_controls[running].any(axis=0)
+        plan = SamplingPlan(
+            penalties=bool(used[PENALTIES]),
+            repetition=bool(used[REPETITION]),
+            bias_width=int(self.slot_bias_width[running].max(initial=0)),
+            min_tokens=bool(used[MIN_TOKENS]),
+            top_k=bool(used[TOP_K]),
+            min_p=bool(used[MIN_P]),
+        )
+        tops = self.slot_logprobs_top[running]
+        if (tops >= 0).any():
+            plan.logprobs_top = int(tops.max())
+        if used[CONSTRAINT]:
+            plan.allowed = np.ones((self.config.max_batch, vocab_size), dtype=bool)
+            for slot in np.flatnonzero(running & self.slot_controls[:, CONSTRAINT]).tolist():
+                mask = self.slot_requests[slot].params.constraint.allowed_tokens(vocab_size)
+                if mask is not None:
+                    plan.allowed[slot] = mask
+        return plan
+
     def slot_of(self, request_id: int) -> int | None:
-        """The slot holding ``request_id``, or None."""
+        """The slot holding ``request_id`` (its first live sample), or None."""
         slots = np.flatnonzero(self.live & (self.slot_request_ids == request_id))
         return int(slots[0]) if slots.size else None
 
-    def abort(self, request_id: int) -> AbortedRequest | None:
-        """Takes ``request_id`` out of the schedule; None if it is not unfinished here.
+    def abort(self, request_id: int) -> list[AbortedRequest]:
+        """Takes ``request_id`` out of the schedule; empty if it is not unfinished here.
 
-        A waiting request leaves the queue (``slot`` None). A request in a slot is marked
-        aborted and stops running; it is retired after the next step, when ``step_paddle``
-        has freed its decoder blocks. ``was_preempted``: it sat in ``step_block_list``,
-        which it has now left without being recovered.
+        A waiting request leaves the queue (``slot`` None). Each of its samples in a slot
+        is marked aborted and stops running; it is retired after the next step, when
+        ``step_paddle`` has freed its decoder blocks. ``was_preempted``: it sat in
+        ``step_block_list``, which it has now left without being recovered.
         """
         for request in self.waiting:
             if request.request_id == request_id:
                 self.waiting.remove(request)
-                return AbortedRequest(slot=None, was_preempted=False)
-        slot = self.slot_of(request_id)
-        if slot is None or self.slot_requests[slot].aborted:
-            return None
-        self.slot_requests[slot].aborted = True
-        was_preempted = bool(self.preempted[slot])
-        self.running[slot] = False
-        self.preempted[slot] = False
-        return AbortedRequest(slot=slot, was_preempted=was_preempted)
+                return [AbortedRequest(slot=None, was_preempted=False)]
+        aborted = []
+        for slot in np.flatnonzero(self.live & (self.slot_request_ids == request_id)).tolist():
+            if self.slot_requests[slot].aborted or not (self.running[slot] or self.preempted[slot]):
+                continue  # already stopping
+            self.slot_requests[slot].aborted = True
+            aborted.append(AbortedRequest(slot=slot, was_preempted=bool(self.preempted[slot])))
+            self.running[slot] = False
+            self.preempted[slot] = False
+        return aborted
 
-    def record(self, outcome: StepOutcome) -> None:
-        """Takes in a step's results: tokens generated, slot flags, step_idx."""
+    def record(self, outcome: StepOutcome, logprobs: StepLogprobs | None = None) -> None:
+        """Takes in a step's results: tokens generated (and their logprobs), slot flags,
+        step_idx."""
         rows = np.flatnonzero(outcome.ran)
         self.generated[rows, outcome.step_idx[rows]] = outcome.tokens[rows]
         self.running = ~outcome.stopped
         self.preempted = outcome.preempted
         self.step_idx = outcome.step_idx
+        if logprobs is None:
+            return
+        for slot in rows[self.slot_logprobs_top[rows] >= 0].tolist():
+            top = int(self.slot_logprobs_top[slot])
+            pairs = []
+            if top:
+                pairs = list(
+                    zip(
+                        logprobs.top_ids[slot, :top].tolist(),
+                        logprobs.top_values[slot, :top].tolist(),
+                    )
+                )
+            self.token_logprobs[slot].append(
+                TokenLogprobs(int(outcome.tokens[slot]), float(logprobs.chosen[slot]), pairs)
+            )
+
+    def advance_constraints(self, rows: np.ndarray, outcome: StepOutcome) -> None:
+        """Reports each constrained slot's sampled token to its constraint, and notes the
+        constraints now finished (``take_constraint_stops`` stops their slots)."""
+        for slot in rows[self.slot_controls[rows, CONSTRAINT]].tolist():
+            request = self.slot_requests[slot]
+            constraint = request.params.constraint
+            constraint.accept_token(int(outcome.tokens[slot]))
+            if constraint.is_finished():
+                request.constraint_finished = True
+
+    def take_constraint_stops(self) -> list[AbortedRequest]:
+        """The slots still going whose constraint finished in the last step, now taken out
+        of the running like an abort (between steps, so ``step_paddle`` frees their decoder
+        blocks before they retire); they finish with reason ``"stop"``."""
+        stops = []
+        for slot in np.flatnonzero(self.running | self.preempted).tolist():
+            if self.slot_requests[slot].constraint_finished:
+                stops.append(AbortedRequest(slot=slot, was_preempted=bool(self.preempted[slot])))
+                self.running[slot] = False
+                self.preempted[slot] = False
+        return stops
 
     def finished_slots(self) -> np.ndarray:
-        """Slots whose request stopped for good (stopped and not preempted)."""
+        """Slots whose sample stopped for good (stopped and not preempted)."""
         return np.flatnonzero(self.live & ~self.running & ~self.preempted)
 
     def _token_ids(self, slot: int) -> list[int]:
-        """The tokens slot ``slot``'s request keeps (none for ``max_tokens`` 0, whose
+        """The tokens slot ``slot``'s sample keeps (none for ``max_tokens`` 0, whose
         prefill samples one that is dropped)."""
         request = self.slot_requests[slot]
         kept = min(int(self.step_idx[slot]), request.params.max_tokens)
         return self.generated[slot, 1 : kept + 1].tolist()
 
     def _finish_reason(self, slot: int) -> str:
-        """Why slot ``slot``'s request stopped (call once it has)."""
+        """Why slot ``slot``'s sample stopped (call once it has)."""
         request = self.slot_requests[slot]
         last = int(self.generated[slot, self.step_idx[slot]]) if self.step_idx[slot] else -1
         if request.aborted:
             return FINISH_ABORT
-        if request.params.max_tokens and last in request.eos_token_ids:
+        if not request.params.max_tokens:
+            return FINISH_LENGTH
+        if last in request.eos_token_ids:
             return FINISH_EOS
-        if request.params.max_tokens and last in request.stop_token_ids:
+        if last in request.stop_token_ids or request.constraint_finished:
             return FINISH_STOP
         return FINISH_LENGTH
 
     def step_tokens(self, rows: np.ndarray, outcome: StepOutcome) -> list[StepToken]:
-        """The tokens a step generated in slots ``rows`` (after ``record``), each with its
-        sample's finish reason when it ended it."""
-        ended = outcome.stopped & ~outcome.preempted
+        """The tokens a step generated in slots ``rows`` (after ``record`` and
+        ``advance_constraints``), each with its sample's finish reason when it ended it."""
+        ended = ~self.running & ~self.preempted
         tokens = []
         for slot in rows.tolist():
             request = self.slot_requests[slot]
             if request.params.max_tokens == 0:
                 continue
-            reason = self._finish_reason(slot) if ended[slot] else None
-            tokens.append(
-                StepToken(request.request_id, 0, int(outcome.tokens[slot]), finish_reason=reason)
-            )
+            logprobs = None
+            if request.params.logprobs is not None:
+                logprobs = self.token_logprobs[slot][-1]
+            reason = None
+            if ended[slot] or request.constraint_finished:
+                reason = self._finish_reason(slot)
+            tokens.append(StepToken(request.request_id, request.index,
+                                    int(outcome.tokens[slot]), logprobs, reason))  # fmt: skip
         return tokens
 
+    def _sample_output(self, slot: int) -> SampleOutput:
+        request = self.slot_requests[slot]
+        params = request.params
+        tokens = self._token_ids(slot)
+        entries = self.token_logprobs[slot][: len(tokens)]
+        logprobs = entries if params.logprobs is not None else None
+        cumulative = None
+        if request.logprobs_top is not None:
+            cumulative = float(sum(entry.logprob for entry in entries))
+        return SampleOutput(request.index, tokens, self._finish_reason(slot), logprobs, cumulative)
+
     def retire(self, slots: np.ndarray) -> list[GenerationResult]:
-        """The results of the requests in ``slots``; frees their prompt blocks and slots."""
+        """Frees the slots in ``slots`` and their prompt blocks; returns the results of the
+        requests whose last sample this was."""
         results = []
         for slot in slots.tolist():
             request = self.slot_requests[slot]
-            sample = SampleOutput(0, self._token_ids(slot), self._finish_reason(slot))
-            results.append(GenerationResult(request.request_id, request.prompt_ids, [sample]))
+            samples = self._finished_samples.setdefault(request.request_id, [])
+            samples.append(self._sample_output(slot))
             self.encoder_blocks.free(request.encoder_blocks)
             self.slot_requests[slot] = None
+            self.token_logprobs[slot] = []
+            first = request.samples[0]
+            if len(samples) == len(first.samples):
+                del self._finished_samples[request.request_id]
+                results.append(_result(first, samples))
         self.live[slots] = False
         self.slot_request_ids[slots] = -1
         self.slot_samples[slots] = False
+        self.slot_controls[slots] = False
+        self.slot_logprobs_top[slots] = -1
         return results
 
     def stall_reason(self) -> str:
@@ -258,3 +427,17 @@ class Scheduler:
                 f"those the live slots hold {sorted(held)}"
             )
         return problems
+
+
+def _result(request: Request, samples: list[SampleOutput]) -> GenerationResult:
+    """A request's result from all its samples: with ``best_of`` > ``n``, the ``n`` with
+    the highest cumulative logprob (re-indexed 0 .. n-1), else all in index order."""
+    params = request.params
+    if len(samples) > params.n:
+        samples = sorted(samples, key=lambda sample: -sample.cumulative_logprob)[: params.n]
+        for index, sample in enumerate(samples):
+            sample.index = index
+    else:
+        samples = sorted(samples, key=lambda sample: sample.index)
+    return GenerationResult(request.request_id, request.prompt_ids, samples,
+                            request.prompt_logprobs)  # fmt: skip

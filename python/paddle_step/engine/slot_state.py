@@ -20,7 +20,7 @@ import paddle
 from ..config import EngineConfig
 from ..spec.check_state import check_state
 from ..spec.tensor_table import STEP_PADDLE_TENSORS
-from .request import MAX_STOP_IDS
+from .request import MAX_LOGIT_BIAS, MAX_STOP_IDS
 
 __all__ = ["ShareInputs"]
 
@@ -33,7 +33,9 @@ class ShareInputs:
 
     - ``eos_token_ids`` [B, MAX_STOP_IDS] int64 (-1 pads): the ids that stop the slot
       (its eos ids, then its stop_token_ids); ``max_new_tokens`` [B] int64,
-      ``temperature`` [B] and ``top_p`` [B] float32: each slot's request parameters;
+      ``temperature``, ``top_p``, ``min_p`` and the three penalties [B] float32,
+      ``top_k`` and ``min_tokens`` [B] int64, ``logit_bias_ids`` [B, MAX_LOGIT_BIAS] int64
+      (-1 pads) and ``logit_bias_values`` float32: each slot's request parameters;
     - ``input_tokens``, ``input_positions``, ``slot_mapping`` [B] int64, ``context_lens``
       [B] int32 and ``decode_active`` [B] bool: ``advance_step``'s outputs, the next
       step's decode inputs (token, its position, its KV slot, context length) and which
@@ -88,6 +90,14 @@ class ShareInputs:
         self.max_new_tokens = per_slot(0, np.int64)
         self.temperature = per_slot(0.0, np.float32)
         self.top_p = per_slot(1.0, np.float32)
+        self.top_k = per_slot(0, np.int64)
+        self.min_p = per_slot(0.0, np.float32)
+        self.presence_penalty = per_slot(0.0, np.float32)
+        self.frequency_penalty = per_slot(0.0, np.float32)
+        self.repetition_penalty = per_slot(1.0, np.float32)
+        self.min_tokens = per_slot(0, np.int64)
+        self.logit_bias_ids = tensor(np.full([batch, MAX_LOGIT_BIAS], -1, np.int64))
+        self.logit_bias_values = tensor(np.zeros([batch, MAX_LOGIT_BIAS], np.float32))
         # --- advance_step's outputs: the next step's decode inputs ---
         self.input_tokens = per_slot(0, np.int64)
         self.input_positions = per_slot(0, np.int64)

@@ -94,6 +94,14 @@ class PagedKVCache:
         paddle.index_put_(self.key, (layer_index, kept.slots), kept.select(k))
         paddle.index_put_(self.value, (layer_index, kept.slots), kept.select(v))
 
+    def copy_slots(self, source: paddle.Tensor, target: paddle.Tensor) -> None:
+        """K and V at slots ``target`` [N] = those at ``source`` [N] (int64, >= 0), in
+        every layer."""
+        for layer in range(self.key.shape[0]):
+            layer_index = paddle.full_like(target, layer)
+            for cache in (self.key, self.value):
+                paddle.index_put_(cache, (layer_index, target), paddle.gather(cache[layer], source))
+
     def head_major_rows(self, slots: paddle.Tensor) -> paddle.Tensor:
         """Row of each (slot, KV head) in one layer's ``[num_slots * num_kv_heads, head_dim]``
         view: [N, num_kv_heads, K] int64 for ``slots`` [N, K] (all >= 0). Computed once per

@@ -27,6 +27,7 @@ __all__ = [
     "SamplingControls",
     "apply_controls",
     "sample_tokens",
+    "sample_key",
     "sampling_key",
     "sampling_uniforms",
     "token_counts",
@@ -61,6 +62,12 @@ def sampling_key(seed: int, request_id: int = 0) -> int:
     request id."""
     mixed = np.array([(seed & _MASK64) ^ (request_id & _MASK64)], dtype=np.uint64)
     return int(_splitmix64(mixed)[0])
+
+
+def sample_key(key: int, index: int) -> int:
+    """The key of sample ``index`` of a request keyed ``key`` (``n`` > 1): sample 0 keeps
+    the request's key, so it draws what the request would alone."""
+    return key if index == 0 else sampling_key(key, index)
 
 
 def sampling_uniforms(keys: np.ndarray, token_index: np.ndarray) -> np.ndarray:

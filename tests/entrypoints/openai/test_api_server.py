@@ -203,7 +203,7 @@ BAD_REQUESTS = [
     ("temperature", {"prompt": "hi", "temperature": 2.5}, "temperature"),
     ("top_p", {"prompt": "hi", "top_p": 0}, "top_p"),
     ("unknown model", {"prompt": "hi", "model": "gpt-4"}, "model"),
-    ("n > 1", {"prompt": "hi", "n": 2}, "'n'"),
+    ("n < 1", {"prompt": "hi", "n": 0}, "'n'"),
     ("unknown field", {"prompt": "hi", "frobnicate": 1}, "frobnicate"),
     ("suffix", {"prompt": "hi", "suffix": "x"}, "suffix"),
     ("empty prompt", {"prompt": ""}, "prompt"),

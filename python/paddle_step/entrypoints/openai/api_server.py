@@ -28,7 +28,6 @@ from ...engine.core_client import (
     EngineUnavailable,
     RequestError,
     RequestHandle,
-    unsupported_fields,
 )
 from ...sampling_params import SamplingParams
 from ...tokenizer.detokenizer import IncrementalDetokenizer
@@ -202,14 +201,6 @@ def create_app(
             raise ApiError(f"'response_format': {error}", param="response_format") from None
         return lambda: JsonSchemaConstraint(grammar, tokenizer_file, eos_token_ids, vocab_size)
 
-    def refuse_unsupported(params: SamplingParams) -> None:
-        fields = unsupported_fields(params)
-        if fields:
-            raise ApiError(
-                f"'{fields[0]}': not supported by this engine yet (fields set: {fields})",
-                param=fields[0],
-            )
-
     def check_prompt_size(text_size: int, param: str) -> None:
         """Refuses, before tokenizing, a text too long for the context in any tokenization."""
         if text_size > max_prompt_bytes:
@@ -245,7 +236,6 @@ def create_app(
                 best_of=best_of if best_of > body.n else None,
                 constraint=new_constraint(),
             )
-            refuse_unsupported(params)
             echo = None
             if body.echo:
                 echo = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
@@ -272,7 +262,6 @@ def create_app(
             logprobs=body.logprobs_asked(),
             constraint=(await constraints_of(body))(),
         )
-        refuse_unsupported(params)
         fmt = _ChatFormat(model_name, formatter, body.logprobs_asked())
         return await respond(request, body, [_Run(0, prompt_ids, params, None)], fmt)
 

@@ -45,6 +45,7 @@ def missing_serving_packages() -> list[str]:
         if importlib.util.find_spec(module) is None
     ]
 
+
 # After the engine fails, the server answers 503 this long (so clients and a load
 # balancer see why), then exits non-zero for its supervisor to restart it.
 ENGINE_FAILURE_GRACE_S = 5.0
