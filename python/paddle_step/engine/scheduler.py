@@ -125,6 +125,10 @@ class Scheduler:
         self.slot_controls = np.zeros((batch, CONSTRAINT + 1), dtype=bool)
         self.slot_bias_width = np.zeros(batch, dtype=np.int64)
         self.slot_logprobs_top = np.full(batch, -1, dtype=np.int64)  # -1: none
+        self.slot_sample_index = np.zeros(batch, dtype=np.int64)
+        # Its streamed tokens need more than (request id, index, token): logprobs, a
+        # constraint that may end it, or max_tokens 0 (nothing streamed).
+        self.slot_special = np.zeros(batch, dtype=bool)
         self.generated = np.full((batch, config.max_model_len), -1, dtype=np.int64)
         self.token_logprobs: list[list[TokenLogprobs]] = [[] for _ in range(batch)]
         # Samples admitted this step that copy their first sample's prefill: slot -> the
@@ -200,6 +204,13 @@ class Scheduler:
             self.slot_samples[slots] = [not r.params.greedy for r in requests]
             self.slot_controls[slots] = [_controls_of(r) for r in requests]
             self.slot_bias_width[slots] = [len(r.params.logit_bias) for r in requests]
+            self.slot_sample_index[slots] = [r.index for r in requests]
+            self.slot_special[slots] = [
+                r.params.logprobs is not None
+                or r.params.constraint is not None
+                or r.params.max_tokens == 0
+                for r in requests
+            ]
             self.slot_logprobs_top[slots] = [
                 -1 if r.logprobs_top is None else r.logprobs_top for r in requests
             ]
@@ -298,7 +309,8 @@ class Scheduler:
         of the running like an abort (between steps, so ``step_paddle`` frees their decoder
         blocks before they retire); they finish with reason ``"stop"``."""
         stops = []
-        for slot in np.flatnonzero(self.running | self.preempted).tolist():
+        going = (self.running | self.preempted) & self.slot_controls[:, CONSTRAINT]
+        for slot in np.flatnonzero(going).tolist():
             if self.slot_requests[slot].constraint_finished:
                 stops.append(AbortedRequest(slot=slot, was_preempted=bool(self.preempted[slot])))
                 self.running[slot] = False
@@ -334,20 +346,29 @@ class Scheduler:
         """The tokens a step generated in slots ``rows`` (after ``record`` and
         ``advance_constraints``), each with its sample's finish reason when it ended it."""
         ended = ~self.running & ~self.preempted
-        tokens = []
-        for slot in rows.tolist():
-            request = self.slot_requests[slot]
-            if request.params.max_tokens == 0:
-                continue
-            logprobs = None
-            if request.params.logprobs is not None:
-                logprobs = self.token_logprobs[slot][-1]
-            reason = None
-            if ended[slot] or request.constraint_finished:
-                reason = self._finish_reason(slot)
-            tokens.append(StepToken(request.request_id, request.index,
-                                    int(outcome.tokens[slot]), logprobs, reason))  # fmt: skip
-        return tokens
+        tokens = [
+            StepToken(request_id, index, token)
+            for request_id, index, token in zip(
+                self.slot_request_ids[rows].tolist(),
+                self.slot_sample_index[rows].tolist(),
+                outcome.tokens[rows].tolist(),
+            )
+        ]
+        special = ended | self.slot_special
+        if not special[rows].any():  # the usual decode step: nothing more to say
+            return tokens
+        kept = []
+        for token, slot in zip(tokens, rows.tolist()):
+            if special[slot]:
+                request = self.slot_requests[slot]
+                if request.params.max_tokens == 0:
+                    continue  # the token a prompt-logprobs prefill samples is dropped
+                if request.params.logprobs is not None:
+                    token.logprobs = self.token_logprobs[slot][-1]
+                if ended[slot] or request.constraint_finished:
+                    token.finish_reason = self._finish_reason(slot)
+            kept.append(token)
+        return kept
 
     def _sample_output(self, slot: int) -> SampleOutput:
         request = self.slot_requests[slot]
@@ -380,6 +401,7 @@ class Scheduler:
         self.slot_samples[slots] = False
         self.slot_controls[slots] = False
         self.slot_logprobs_top[slots] = -1
+        self.slot_special[slots] = False
         return results
 
     def stall_reason(self) -> str:
