@@ -194,11 +194,17 @@ def sample_tokens(
         probs = paddle.where(
             probs >= min_p.astype(probs.dtype).unsqueeze(1) * largest, probs, zeros
         )
-    if top_k is not None:
-        probs = _cut_to_top_k(probs, top_k)
     cut = (top_p < 1.0).numpy()
-    if cut.any():
-        probs = paddle.where(probs >= _nucleus_floor(probs, top_p, cut), probs, zeros)
+    widest = int(paddle.max(top_k)) if top_k is not None else 0
+    if widest > 0 or cut.any():
+        # One topk serves both cuts: the top_k floors and the nucleus candidates.
+        width = min(max(widest, _NUCLEUS_CANDIDATES), probs.shape[1])
+        largest = paddle.topk(probs, width, axis=-1)[0]  # [R, width], descending
+        if widest > 0:
+            probs, largest = _cut_to_top_k(probs, largest, top_k)
+        if cut.any():
+            floor = _nucleus_floor(probs, largest, top_p, cut)
+            probs = paddle.where(probs >= floor, probs, zeros)
     cdf = paddle.cumsum(probs, axis=-1)
     target = uniforms.astype(probs.dtype).unsqueeze(1) * cdf[:, -1:]
     # The first token whose CDF passes the target has mass, so it is a kept one.
@@ -215,28 +221,32 @@ def sample_tokens(
 _NUCLEUS_CANDIDATES = 64
 
 
-def _cut_to_top_k(probs: paddle.Tensor, top_k: paddle.Tensor) -> paddle.Tensor:
-    """Keeps each row's ``top_k`` most likely tokens (and ties of the last); 0 keeps all."""
-    widest = min(int(paddle.max(top_k)), probs.shape[1])
-    if widest <= 0:
-        return probs
-    largest = paddle.topk(probs, widest, axis=-1)[0]  # [R, widest], descending
-    position = paddle.clip(top_k - 1, min=0, max=widest - 1).unsqueeze(1)
+def _cut_to_top_k(
+    probs: paddle.Tensor, largest: paddle.Tensor, top_k: paddle.Tensor
+) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """Keeps each row's ``top_k`` most likely tokens (and ties of the last); 0 keeps all.
+    ``largest`` [R, W >= max top_k] are each row's W largest probabilities, descending;
+    returns the cut probabilities and ``largest`` cut the same way."""
+    width = largest.shape[1]
+    position = paddle.clip(top_k - 1, min=0, max=width - 1).unsqueeze(1)
     floor = paddle.take_along_axis(largest, position, axis=-1)
     floor = paddle.where(top_k.unsqueeze(1) > 0, floor, paddle.zeros_like(floor))
-    return paddle.where(probs >= floor, probs, paddle.zeros_like(probs))
+    probs = paddle.where(probs >= floor, probs, paddle.zeros_like(probs))
+    return probs, paddle.where(largest >= floor, largest, paddle.zeros_like(largest))
 
 
-def _nucleus_floor(probs: paddle.Tensor, top_p: paddle.Tensor, cut: np.ndarray) -> paddle.Tensor:
+def _nucleus_floor(
+    probs: paddle.Tensor, largest: paddle.Tensor, top_p: paddle.Tensor, cut: np.ndarray
+) -> paddle.Tensor:
     """[R, 1]: the probability of the least likely token of each row's nucleus (0 for
     rows that ``cut`` leaves whole): of its tokens by decreasing probability, the last
-    one whose predecessors' mass is under ``top_p`` of the row's total."""
+    one whose predecessors' mass is under ``top_p`` of the row's total. ``largest`` are
+    the row's most likely probabilities, descending (the candidates)."""
     need = top_p.astype(probs.dtype).unsqueeze(1) * paddle.sum(probs, axis=-1, keepdim=True)
-    width = min(_NUCLEUS_CANDIDATES, probs.shape[1])
-    floor, covered = _floor_among(paddle.topk(probs, width, axis=-1)[0], need)
+    floor, covered = _floor_among(largest, need)
     # Rows whose nucleus may reach past the candidates sort their whole row.
     longer = np.flatnonzero(cut & ~covered.numpy())
-    if longer.size and width < probs.shape[1]:
+    if longer.size and largest.shape[1] < probs.shape[1]:
         rows = paddle.to_tensor(longer)
         ordered = paddle.sort(paddle.gather(probs, rows), axis=-1, descending=True)
         floor = paddle.scatter(floor, rows, _floor_among(ordered, paddle.gather(need, rows))[0])
