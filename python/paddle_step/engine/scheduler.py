@@ -126,6 +126,8 @@ class Scheduler:
         self.slot_bias_width = np.zeros(batch, dtype=np.int64)
         self.slot_logprobs_top = np.full(batch, -1, dtype=np.int64)  # -1: none
         self.slot_sample_index = np.zeros(batch, dtype=np.int64)
+        # It uses a sampling control or needs logprobs (sampling_plan looks closer).
+        self.slot_uses_more = np.zeros(batch, dtype=bool)
         # Its streamed tokens need more than (request id, index, token): logprobs, a
         # constraint that may end it, or max_tokens 0 (nothing streamed).
         self.slot_special = np.zeros(batch, dtype=bool)
@@ -214,6 +216,9 @@ class Scheduler:
             self.slot_logprobs_top[slots] = [
                 -1 if r.logprobs_top is None else r.logprobs_top for r in requests
             ]
+            self.slot_uses_more[slots] = self.slot_controls[slots].any(axis=1) | (
+                self.slot_logprobs_top[slots] >= 0
+            )
             for slot in slots:
                 self.token_logprobs[slot] = []
         return slots
@@ -221,7 +226,7 @@ class Scheduler:
     def sampling_plan(self, vocab_size: int) -> SamplingPlan:
         """What sampling needs this step, from the slots that run it."""
         running = self.running
-        if not (self.slot_controls[running].any() or (self.slot_logprobs_top[running] >= 0).any()):
+        if not (self.slot_uses_more & running).any():  # the usual batch: cheap to tell
             return SamplingPlan()
         used = self.slot_controls[running].any(axis=0)
         plan = SamplingPlan(
@@ -297,6 +302,8 @@ class Scheduler:
     def advance_constraints(self, rows: np.ndarray, outcome: StepOutcome) -> None:
         """Reports each constrained slot's sampled token to its constraint, and notes the
         constraints now finished (``take_constraint_stops`` stops their slots)."""
+        if not self.slot_controls[:, CONSTRAINT].any():
+            return
         for slot in rows[self.slot_controls[rows, CONSTRAINT]].tolist():
             request = self.slot_requests[slot]
             constraint = request.params.constraint
@@ -309,6 +316,8 @@ class Scheduler:
         of the running like an abort (between steps, so ``step_paddle`` frees their decoder
         blocks before they retire); they finish with reason ``"stop"``."""
         stops = []
+        if not self.slot_controls[:, CONSTRAINT].any():
+            return stops
         going = (self.running | self.preempted) & self.slot_controls[:, CONSTRAINT]
         for slot in np.flatnonzero(going).tolist():
             if self.slot_requests[slot].constraint_finished:
@@ -402,6 +411,7 @@ class Scheduler:
         self.slot_controls[slots] = False
         self.slot_logprobs_top[slots] = -1
         self.slot_special[slots] = False
+        self.slot_uses_more[slots] = False
         return results
 
     def stall_reason(self) -> str:
