@@ -96,3 +96,11 @@ def test_bench_decode_quick_json():
             # The ops work in place: no new buffers for the tensors they write.
             assert alloc["data_pointer_changes"] == 0
             assert alloc["allocated_bytes_per_call_max"] == 0
+
+
+def test_bench_sampler_quick_json():
+    report = run_json("bench_sampler.py")
+    assert [row["mode"] for row in report["results"]] == ["greedy", "all", "all+constraint"]
+    for row in report["results"]:
+        assert row["step_us"] > row["sampling_us"] > 0
+        assert 0 < row["sampling_share"] < 1

@@ -272,10 +272,10 @@ def test_sampler_greedy_and_nucleus() -> None:
     for draw in (0.0, 0.5, 0.999999):
         uniforms = paddle.full([2], draw, dtype="float64")
         assert sample_tokens(logits, hot, tiny, uniforms).tolist() == [1, 0]
-    # Without a cut, draws walk the tokens in order of probability: 1, 3, 2, 0.
+    # Without a cut, draws walk the tokens in id order: 0, 1, 2, 3.
     probs = paddle.nn.functional.softmax(logits[:1], axis=-1).numpy()[0]
-    edges = np.cumsum(probs[[1, 3, 2, 0]])
-    for draw, expected in zip((0.0, edges[0] + 1e-9, edges[1] + 1e-9, 0.999999), (1, 3, 2, 0)):
+    edges = np.cumsum(probs)
+    for draw, expected in zip((0.0, edges[0] + 1e-9, edges[1] + 1e-9, 0.999999), (0, 1, 2, 3)):
         uniforms = paddle.full([1], draw, dtype="float64")
         token = sample_tokens(logits[:1], hot[:1], paddle.ones([1]), uniforms)
         assert token.tolist() == [expected]

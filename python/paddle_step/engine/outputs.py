@@ -39,7 +39,7 @@ FINISH_LENGTH = "length"  # max_tokens, or the model length
 FINISH_ABORT = "abort"  # Engine.abort
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenLogprobs:
     """The logprob of the token at one position and the ``top`` most likely tokens there,
     as (token id, logprob) pairs, most likely first (ties: lower id first); ``top`` has
@@ -97,7 +97,7 @@ class GenerationResult:
         }
 
 
-@dataclass
+@dataclass(slots=True)
 class StepToken:
     """A token a step generated: of request ``request_id``'s sample ``index`` (with
     ``best_of`` > ``n``: the draw's index in 0 .. best_of-1, not streamable as a choice);

@@ -125,6 +125,12 @@ class Scheduler:
         self.slot_controls = np.zeros((batch, CONSTRAINT + 1), dtype=bool)
         self.slot_bias_width = np.zeros(batch, dtype=np.int64)
         self.slot_logprobs_top = np.full(batch, -1, dtype=np.int64)  # -1: none
+        self.slot_sample_index = np.zeros(batch, dtype=np.int64)
+        # It uses a sampling control or needs logprobs (sampling_plan looks closer).
+        self.slot_uses_more = np.zeros(batch, dtype=bool)
+        # Its streamed tokens need more than (request id, index, token): logprobs, a
+        # constraint that may end it, or max_tokens 0 (nothing streamed).
+        self.slot_special = np.zeros(batch, dtype=bool)
         self.generated = np.full((batch, config.max_model_len), -1, dtype=np.int64)
         self.token_logprobs: list[list[TokenLogprobs]] = [[] for _ in range(batch)]
         # Samples admitted this step that copy their first sample's prefill: slot -> the
@@ -200,9 +206,19 @@ class Scheduler:
             self.slot_samples[slots] = [not r.params.greedy for r in requests]
             self.slot_controls[slots] = [_controls_of(r) for r in requests]
             self.slot_bias_width[slots] = [len(r.params.logit_bias) for r in requests]
+            self.slot_sample_index[slots] = [r.index for r in requests]
+            self.slot_special[slots] = [
+                r.params.logprobs is not None
+                or r.params.constraint is not None
+                or r.params.max_tokens == 0
+                for r in requests
+            ]
             self.slot_logprobs_top[slots] = [
                 -1 if r.logprobs_top is None else r.logprobs_top for r in requests
             ]
+            self.slot_uses_more[slots] = self.slot_controls[slots].any(axis=1) | (
+                self.slot_logprobs_top[slots] >= 0
+            )
             for slot in slots:
                 self.token_logprobs[slot] = []
         return slots
@@ -210,7 +226,7 @@ class Scheduler:
     def sampling_plan(self, vocab_size: int) -> SamplingPlan:
         """What sampling needs this step, from the slots that run it."""
         running = self.running
-        if not (self.slot_controls[running].any() or (self.slot_logprobs_top[running] >= 0).any()):
+        if not (self.slot_uses_more & running).any():  # the usual batch: cheap to tell
             return SamplingPlan()
         used = self.slot_controls[running].any(axis=0)
         plan = SamplingPlan(
@@ -286,6 +302,8 @@ class Scheduler:
     def advance_constraints(self, rows: np.ndarray, outcome: StepOutcome) -> None:
         """Reports each constrained slot's sampled token to its constraint, and notes the
         constraints now finished (``take_constraint_stops`` stops their slots)."""
+        if not self.slot_controls[:, CONSTRAINT].any():
+            return
         for slot in rows[self.slot_controls[rows, CONSTRAINT]].tolist():
             request = self.slot_requests[slot]
             constraint = request.params.constraint
@@ -298,7 +316,10 @@ class Scheduler:
         of the running like an abort (between steps, so ``step_paddle`` frees their decoder
         blocks before they retire); they finish with reason ``"stop"``."""
         stops = []
-        for slot in np.flatnonzero(self.running | self.preempted).tolist():
+        if not self.slot_controls[:, CONSTRAINT].any():
+            return stops
+        going = (self.running | self.preempted) & self.slot_controls[:, CONSTRAINT]
+        for slot in np.flatnonzero(going).tolist():
             if self.slot_requests[slot].constraint_finished:
                 stops.append(AbortedRequest(slot=slot, was_preempted=bool(self.preempted[slot])))
                 self.running[slot] = False
@@ -334,20 +355,29 @@ class Scheduler:
         """The tokens a step generated in slots ``rows`` (after ``record`` and
         ``advance_constraints``), each with its sample's finish reason when it ended it."""
         ended = ~self.running & ~self.preempted
-        tokens = []
-        for slot in rows.tolist():
-            request = self.slot_requests[slot]
-            if request.params.max_tokens == 0:
-                continue
-            logprobs = None
-            if request.params.logprobs is not None:
-                logprobs = self.token_logprobs[slot][-1]
-            reason = None
-            if ended[slot] or request.constraint_finished:
-                reason = self._finish_reason(slot)
-            tokens.append(StepToken(request.request_id, request.index,
-                                    int(outcome.tokens[slot]), logprobs, reason))  # fmt: skip
-        return tokens
+        tokens = [
+            StepToken(request_id, index, token)
+            for request_id, index, token in zip(
+                self.slot_request_ids[rows].tolist(),
+                self.slot_sample_index[rows].tolist(),
+                outcome.tokens[rows].tolist(),
+            )
+        ]
+        special = ended | self.slot_special
+        if not special[rows].any():  # the usual decode step: nothing more to say
+            return tokens
+        kept = []
+        for token, slot in zip(tokens, rows.tolist()):
+            if special[slot]:
+                request = self.slot_requests[slot]
+                if request.params.max_tokens == 0:
+                    continue  # the token a prompt-logprobs prefill samples is dropped
+                if request.params.logprobs is not None:
+                    token.logprobs = self.token_logprobs[slot][-1]
+                if ended[slot] or request.constraint_finished:
+                    token.finish_reason = self._finish_reason(slot)
+            kept.append(token)
+        return kept
 
     def _sample_output(self, slot: int) -> SampleOutput:
         request = self.slot_requests[slot]
@@ -380,6 +410,8 @@ class Scheduler:
         self.slot_samples[slots] = False
         self.slot_controls[slots] = False
         self.slot_logprobs_top[slots] = -1
+        self.slot_special[slots] = False
+        self.slot_uses_more[slots] = False
         return results
 
     def stall_reason(self) -> str:
