@@ -60,10 +60,11 @@ class RequestError:
 class RequestHandle:
     """A submitted request as its HTTP handler sees it.
 
-    Events arrive on ``events`` (the objects are ``engine.outputs``'):
-    ``("prompt_logprobs", list[TokenLogprobs])`` once its prompt is prefilled, when it
-    asked for them; ``("token", StepToken)`` per generated token (of any of its samples);
-    then one of ``("finish", GenerationResult)`` or ``("error", RequestError)``.
+    Events arrive on ``events`` (the objects are ``engine.outputs``'): ``("cached", n)``
+    once admitted (n prompt tokens came from the prefix cache); ``("prompt_logprobs",
+    list[TokenLogprobs])`` once its prompt is prefilled, when it asked for them;
+    ``("token", StepToken)`` per generated token (of any of its samples); then one of
+    ``("finish", GenerationResult)`` or ``("error", RequestError)``.
     """
 
     prompt_ids: list[int]
@@ -210,18 +211,17 @@ class EngineLoop:
             if isinstance(message, StepOutput):
                 self._deliver_step(message)
                 continue
-            if self._stopping:
-                return
             if isinstance(message, EngineFailed):
                 self._fail(message.message, message.details)
-            else:
+            elif not self._stopping:  # else it exited because it was told to
                 self._process.join(5)
                 status = _exit_status(self._process.exitcode)
                 self._fail(f"the engine process exited unexpectedly ({status})")
             return
 
     def _deliver_step(self, output: StepOutput) -> None:
-        events = [(key, ("prompt_logprobs", entries)) for key, entries in output.prompt_logprobs]
+        events = [(key, ("cached", cached)) for key, cached in output.cached]
+        events += [(key, ("prompt_logprobs", entries)) for key, entries in output.prompt_logprobs]
         events += [(key, ("token", token)) for key, token in output.tokens]
         events += [(key, ("finish", reason)) for key, reason in output.finished]
         events += [(key, ("error", RequestError(why, unavailable=False)))

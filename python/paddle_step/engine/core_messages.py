@@ -58,12 +58,14 @@ class Ready:
 
 @dataclass
 class StepOutput:
-    """One step's results, in one message: ``prompt_logprobs`` ``(key, logprobs of prompt
-    positions 1 .. P-1)`` for requests prefilled this step that asked for them, ``tokens``
-    ``(key, StepToken)`` in the order generated, ``finished`` ``(key, GenerationResult)``,
-    ``refused`` ``(key, message)`` for requests the engine would not add (a ``ValueError``
-    of its own). The objects are ``engine.outputs``'."""
+    """One step's results, in one message: ``cached`` are ``(key, prompt tokens from the
+    prefix cache)`` of the requests it admitted, ``prompt_logprobs`` ``(key, logprobs of
+    prompt positions 1 .. P-1)`` of requests whose prompt it completed that asked for
+    them, ``tokens`` ``(key, StepToken)`` in the order generated, ``finished`` ``(key,
+    GenerationResult)``, ``refused`` ``(key, message)`` for requests the engine would not
+    add (a ``ValueError`` of its own). The objects are ``engine.outputs``'."""
 
+    cached: list[tuple[int, int]] = field(default_factory=list)
     prompt_logprobs: list[tuple[int, list[TokenLogprobs]]] = field(default_factory=list)
     tokens: list[tuple[int, StepToken]] = field(default_factory=list)
     finished: list[tuple[int, GenerationResult]] = field(default_factory=list)

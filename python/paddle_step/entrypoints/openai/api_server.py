@@ -75,6 +75,7 @@ def create_app(
         max_model_len=max_model_len,
         vocab_size=vocab_size,
         api_key=api_key is not None,
+        chat=getattr(tokenizer, "chat_template", "") is not None,
     )
     registry = metrics_registry(loop)
     created = int(time.time())
@@ -141,8 +142,14 @@ def create_app(
                 param="prompt",
             )
         room = max_model_len - len(prompt_ids)
+        if room < 1:
+            raise ApiError(
+                f"the prompt ({len(prompt_ids)} tokens) leaves no room in the model's context "
+                f"of {max_model_len} tokens",
+                param="prompt" if isinstance(body, CompletionRequest) else "messages",
+            )
         max_tokens = body.max_tokens if body.max_tokens is not None else room
-        if room < 1 or max_tokens > room:
+        if max_tokens > room:
             raise ApiError(
                 f"the prompt ({len(prompt_ids)} tokens) plus 'max_tokens' ({max_tokens}) "
                 f"exceeds the model's context of {max_model_len} tokens",
@@ -297,7 +304,9 @@ async def _relay(
                 if await is_disconnected():
                     return
                 continue
-        if kind == "token":
+        if kind == "cached":
+            fmt.cached_tokens = value
+        elif kind == "token":
             delta = text.add(value.token_id)
             if text.stopped:  # a stop string ended the text: the request is done
                 fmt.finish_reason = "stop"
@@ -352,6 +361,7 @@ class _Format:
         self.created = int(time.time())
         self.model = model_name
         self.prompt_tokens = prompt_tokens
+        self.cached_tokens = 0  # prompt tokens the prefix cache supplied
         self.finish_reason: str | None = None
         self.error: RequestError | None = None
         self._text_event_parts: list[str] | None = None
@@ -371,6 +381,7 @@ class _Format:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": self.prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
     def envelope(self, object_name: str, choices: list, **extra) -> dict:
