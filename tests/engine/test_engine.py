@@ -9,12 +9,12 @@ import pytest
 from paddle_step.config import EngineConfig, ModelConfig
 from paddle_step.engine.block_allocator import EncoderBlockAllocator
 from paddle_step.engine.llm_engine import Engine
-from paddle_step.engine.naive import generate_naive
 from paddle_step.engine.slot_state import ShareInputs
 from paddle_step.layers.sampler import sample_tokens
 from paddle_step.models.llama import LlamaForCausalLM
 from paddle_step.sampling_params import SamplingParams
 from paddle_step.spec.check_state import check_state
+from paddle_step.testing.greedy import greedy_reference
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +27,6 @@ def limited(max_tokens: int | list[int], **fields) -> SamplingParams | list[Samp
     if isinstance(max_tokens, list):
         return [SamplingParams(max_tokens=limit, **fields) for limit in max_tokens]
     return SamplingParams(max_tokens=max_tokens, **fields)
-
-
-def greedy_reference(model: LlamaForCausalLM, prompts, max_tokens) -> list[list[int]]:
-    results, _ = generate_naive(model, prompts, limited(max_tokens))
-    return [result.token_ids for result in results]
 
 
 def assert_blocks_conserved(engine: Engine) -> None:

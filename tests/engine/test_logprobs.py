@@ -107,3 +107,19 @@ def test_streamed_tokens_carry_their_logprobs(model):
                 assert all(t.logprobs is None for t in tokens)
             else:
                 assert [t.logprobs for t in tokens] == sample.logprobs
+
+
+def test_prompt_logprobs_of_a_chunked_prefill(model):
+    """A prompt computed over several steps (a 5-token budget) gathers its prompt
+    logprobs chunk by chunk, and a cached prefix is not used for them."""
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43]
+    config = EngineConfig(max_batch=4, max_model_len=40, block_size=4, num_kv_blocks=80,
+                          max_num_batched_tokens=5)  # fmt: skip
+    engine = Engine(model, config)
+    engine.generate([prompt], SamplingParams(max_tokens=2))  # caches its prompt blocks
+    [result] = engine.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=1))
+    assert result.cached_tokens == 0
+    reference = reference_logprobs(model, prompt)
+    assert len(result.prompt_logprobs) == len(prompt) - 1
+    for i, entry in enumerate(result.prompt_logprobs):
+        assert_entry(entry, reference[i], prompt[i + 1], 1)

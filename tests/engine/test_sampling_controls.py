@@ -159,6 +159,7 @@ def test_a_constraint_masks_each_token_and_ends_the_request(model):
 
 def test_n_samples_share_one_prefill(model, monkeypatch):
     prompt = list(range(30, 47))
+    assert GENEROUS.enable_prefix_caching
     engine = Engine(model, GENEROUS, check_state=True)
     computed = []
     forward = model.forward_paged
@@ -170,7 +171,10 @@ def test_n_samples_share_one_prefill(model, monkeypatch):
     monkeypatch.setattr(model, "forward_paged", counting)
     params = dict(max_tokens=8, temperature=1.0, seed=13)
     [result] = engine.generate([prompt], SamplingParams(n=4, **params))
-    assert computed[0] == len(prompt)  # one prefill for the 4 samples
+    # One prefill: samples 1..3 find the first sample's 4 full prompt blocks (16 tokens)
+    # in the prefix cache and compute only the 17th token.
+    assert computed[0] == len(prompt) + 3 * (len(prompt) - 16)
+    assert engine.scheduler.prompt_tokens_hit == 3 * 16
     assert computed[1:] == [4] * 7  # then 4 decodes a step
     monkeypatch.undo()
     assert [o.index for o in result.outputs] == [0, 1, 2, 3]
@@ -209,11 +213,17 @@ def test_abort_stops_every_sample(model):
     assert engine.encoder_blocks.num_free == GENEROUS.num_encoder_blocks
 
 
+def test_more_samples_than_slots_queue_up(model):
+    engine = Engine(model, EngineConfig(max_batch=2, max_model_len=16, block_size=4,
+                                        num_kv_blocks=16), check_state=True)  # fmt: skip
+    [result] = engine.generate([[1, 2]], SamplingParams(max_tokens=3, temperature=1.0, n=3))
+    assert [o.index for o in result.outputs] == [0, 1, 2]
+    assert all(len(o.token_ids) == 3 for o in result.outputs)
+
+
 def test_refusals(model):
     engine = Engine(model, EngineConfig(max_batch=2, max_model_len=16, block_size=4,
                                         num_kv_blocks=16))  # fmt: skip
-    with pytest.raises(ValueError, match="3 samples .* need 3 slots"):
-        engine.add_request([1, 2], SamplingParams(max_tokens=2, n=3))
     with pytest.raises(ValueError, match="'logit_bias': expected token ids in \\[0, 259\\)"):
         engine.add_request([1, 2], SamplingParams(max_tokens=2, logit_bias={300: 1.0}))
     constraint = CyclingConstraint([[1]], 2)

@@ -68,6 +68,7 @@ class RequestHandle:
     Events arrive on ``events`` as ``(index, kind, value)``, ``index`` being the handle's
     own (a handler may share one queue among the handles of a batch):
 
+    - ``("cached", n)`` once admitted: n prompt tokens came from the prefix cache;
     - ``("prompt_logprobs", entries)``, when the request asked for them: per prompt
       position after the first, ``(logprob, [(id, logprob), ..])``, the prompt token's
       logprob and the asked number of most likely tokens;
@@ -223,18 +224,17 @@ class EngineLoop:
             if isinstance(message, StepOutput):
                 self._deliver_step(message)
                 continue
-            if self._stopping:
-                return
             if isinstance(message, EngineFailed):
                 self._fail(message.message, message.details)
-            else:
+            elif not self._stopping:  # else it exited because it was told to
                 self._process.join(5)
                 status = _exit_status(self._process.exitcode)
                 self._fail(f"the engine process exited unexpectedly ({status})")
             return
 
     def _deliver_step(self, output: StepOutput) -> None:
-        events = [(key, ("prompt_logprobs", entries)) for key, entries in output.prompt_logprobs]
+        events = [(key, ("cached", cached)) for key, cached in output.cached]
+        events += [(key, ("prompt_logprobs", entries)) for key, entries in output.prompt_logprobs]
         events += [(key, ("token", token)) for key, token in output.tokens]
         events += [(key, ("finish", returned)) for key, returned in output.finished]
         events += [(key, ("error", RequestError(why, unavailable=False)))

@@ -61,13 +61,15 @@ Logprobs = tuple[float, list[tuple[int, float]]]
 
 @dataclass
 class StepOutput:
-    """One step's results, in one message. ``tokens``: ``(key, (sample, token id,
+    """One step's results, in one message. ``cached``: ``(key, prompt tokens from the
+    prefix cache)`` of the requests it admitted; ``tokens``: ``(key, (sample, token id,
     logprobs or None))`` in the order generated; ``prompt_logprobs``: ``(key, [logprobs
-    per prompt position after the first])`` of requests that asked; ``finished``: ``(key,
-    [(sample, finish reason), ..])``, the samples to answer with in choice order (the
-    ``n`` best of ``best_of``); ``refused``: ``(key, message)`` for requests the engine
-    would not add (a ``ValueError`` of its own)."""
+    per prompt position after the first])`` of requests whose prompt it completed that
+    asked; ``finished``: ``(key, [(sample, finish reason), ..])``, the samples to answer
+    with in choice order (the ``n`` best of ``best_of``); ``refused``: ``(key, message)``
+    for requests the engine would not add (a ``ValueError`` of its own)."""
 
+    cached: list[tuple[int, int]] = field(default_factory=list)
     tokens: list[tuple[int, tuple[int, int, Logprobs | None]]] = field(default_factory=list)
     prompt_logprobs: list[tuple[int, list[Logprobs]]] = field(default_factory=list)
     finished: list[tuple[int, list[tuple[int, str]]]] = field(default_factory=list)

@@ -110,6 +110,9 @@ def run_engine(args: argparse.Namespace, commands, events) -> None:
             for token in engine.last_step_outputs:
                 if token.request_id in draws:
                     draws[token.request_id][token.index].append(token.token_id)
+            output.cached = [(keys[request_id], cached)
+                             for request_id, cached in engine.last_step_admitted
+                             if request_id in keys]  # fmt: skip
             for result in finished:
                 key = keys.pop(result.request_id)
                 request_ids.pop(key, None)
@@ -176,4 +179,6 @@ def _stats(engine) -> dict:
         "preemptions": engine.stats.preemptions,
         "generated_tokens": engine.stats.generated_tokens,
         "step_seconds": engine.stats.elapsed,
+        "prefix_cache_queries": engine.stats.prompt_tokens_queried,
+        "prefix_cache_hits": engine.stats.prompt_tokens_hit,
     }

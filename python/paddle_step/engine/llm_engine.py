@@ -1,13 +1,17 @@
 """A continuous-batching generation engine over ``step_paddle`` and ``advance_step``.
 
 Requests run in fixed batch slots (FastDeploy's layout, see ``state.ShareInputs``). The
-``Scheduler`` keeps the host's view (queue, slots, prompt blocks), the ``ModelRunner`` does
-the device work. Each ``Engine.step``:
+``Scheduler`` keeps the host's view (queue, slots, prompt blocks, prefix cache), the
+``ModelRunner`` does the device work. Each ``Engine.step``:
 
-1. admits waiting requests into free slots (host: prompt blocks, slot state);
-2. runs one forward over every running slot: prefills (new or recovered requests) and
-   decodes (inputs prepared by the previous step's ``advance_step``) in one flat batch;
-3. samples one token per running slot;
+1. plans the step (host): one token for every decoding slot, then prefill chunks for
+   prompts under way and newly admitted ones, within ``max_num_batched_tokens``; an
+   admitted prompt takes the cached blocks of its longest cached prefix and prefills
+   only the rest;
+2. runs one forward over every running slot: prefill chunks (new, continued or
+   recovered requests) and decodes (inputs prepared by the previous step's
+   ``advance_step``) in one flat batch;
+3. samples one token per running slot that is not in the middle of its prompt;
 4. updates the slot state on the device (lengths, ``step_idx``, ``pre_ids``, stop checks),
    as FastDeploy's ``update_inputs`` does;
 5. ``step_paddle``: frees finished slots' decoder blocks, gives every decoding slot the
@@ -17,7 +21,9 @@ the device work. Each ``Engine.step``:
    finished requests (their prompt blocks and slots become free).
 
 A preempted request is recomputed by a re-prefill of its prompt and generated tokens when
-the op recovers it, so its output is the same as if it had never been preempted.
+the op recovers it, so its output is the same as if it had never been preempted. Its
+prompt blocks stay with it while it is preempted, so the re-prefill starts after the
+positions they hold (only the decoder blocks' K/V was lost).
 """
 
 from __future__ import annotations
@@ -93,9 +99,12 @@ class Engine:
         self.runner = ModelRunner(model, config)
         self.stats = GenerationStats()
         # Every token the last step generated, for streaming; and the prompt logprobs of
-        # the requests it prefilled that asked for them, by request id.
+        # the requests whose prompt it finished, when they asked, by request id.
         self.last_step_outputs: list[StepToken] = []
         self.last_step_prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
+        # (request id, prompt tokens the prefix cache supplied) of each sample the last
+        # step admitted.
+        self.last_step_admitted: list[tuple[int, int]] = []
         self._next_request_id = 0
         self._step_lens = 0  # preempted slots after the previous step
         self._decoder_blocks_in_use = 0
@@ -140,7 +149,7 @@ class Engine:
         draws = params.best_of or params.n
         request.add_samples([sample_key(key, index) for index in range(1, draws)])
         self._next_request_id += 1
-        self.scheduler.waiting.append(request)
+        self.scheduler.waiting.extend(request.samples)
         return request.request_id
 
     @property
@@ -205,22 +214,37 @@ class Engine:
         scheduler, runner = self.scheduler, self.runner
         for stopped in scheduler.take_constraint_stops():
             self._stop_slot(stopped)
-        admitted = scheduler.admit()
+        plan = scheduler.schedule()
+        admitted = plan.admitted
+        admitted_requests = [scheduler.slot_requests[slot] for slot in admitted]
+        self.last_step_admitted = [
+            (r.request_id, r.num_cached_tokens) for r in admitted_requests if r.index == 0
+        ]
         if admitted:
-            runner.write_admitted(admitted, [scheduler.slot_requests[s] for s in admitted])
-        ran_any = bool(scheduler.running.any())
-        # Rows with tokens this step: running (new or recovered prefills, and decodes).
-        ran = paddle.logical_not(runner.state.stop_flags)
+            runner.write_admitted(admitted, admitted_requests)
+        if plan.chunks:
+            runner.write_prefill_chunks(plan.chunks)
+        ran_any = plan.num_tokens > 0
+        # Rows not stopped: running (prefill chunks, possibly empty, and decodes).
+        running = paddle.logical_not(runner.state.stop_flags)
+        ran = running  # the rows that sample: all but those mid-prefill
+        if plan.unsampled_slots:
+            unsampled = np.zeros(self.config.max_batch, dtype=bool)
+            unsampled[plan.unsampled_slots] = True
+            ran = paddle.logical_and(
+                running, paddle.to_tensor(~unsampled, place=runner.state.place)
+            )
         logprobs = None
         self.last_step_prompt_logprobs = {}
         if ran_any:
-            prompt_rows = self._prompt_logprob_rows(admitted)
-            logits, prompt_logits = runner.forward(scheduler.fork_sources, prompt_rows)
-            if prompt_rows:
-                self._record_prompt_logprobs(prompt_rows, prompt_logits)
-            plan = scheduler.sampling_plan(self.model.config.vocab_size)
-            tokens, logprobs = runner.sample(logits, self._uniforms(), plan)
-            runner.update_inputs(ran, tokens)
+            logit_rows, targets = self._prompt_logprob_rows(plan.chunks)
+            logits, prompt_logits = runner.forward(logit_rows)
+            if logit_rows:
+                self._record_prompt_logprobs(targets, prompt_logits)
+            self._finish_prompt_logprobs(plan.chunks)
+            sampling = scheduler.sampling_plan(self.model.config.vocab_size, plan.unsampled_slots)
+            tokens, logprobs = runner.sample(logits, self._uniforms(), sampling)
+            runner.update_inputs(running, ran, tokens)
         else:
             tokens = paddle.zeros_like(runner.state.next_tokens)
         runner.schedule_blocks()
@@ -280,42 +304,61 @@ class Engine:
 
     # ------------------------------------------------------------------ step parts
 
-    def _prompt_logprob_rows(self, admitted: list[int]) -> list[tuple[int, int]]:
-        """(slot, prompt length) of the requests admitted this step that ask for prompt
-        logprobs (their first sample only; a recovery's re-prefill never repeats them).
-        A one-token prompt has no position with context: its list is empty at once."""
-        rows = []
-        for slot in admitted:
-            request = self.scheduler.slot_requests[slot]
-            if request.index == 0 and request.params.prompt_logprobs is not None:
-                if len(request.prompt_ids) > 1:
-                    rows.append((slot, len(request.prompt_ids)))
-                else:
-                    request.prompt_logprobs = []
-                    self.last_step_prompt_logprobs[request.request_id] = []
-        return rows
+    def _prompt_logprob_rows(
+        self, chunks: list
+    ) -> tuple[list[tuple[int, int, int]], list[tuple[Request, int, int]]]:
+        """For the prompt chunks of this step whose request asks for prompt logprobs (its
+        first sample only): the runner's ``(slot, back, count)`` rows, and which positions
+        ``(request, first, end)`` they cover. Position p's logits give the logprob of prompt
+        token p + 1; positions already recorded (a recovery's re-prefill) are skipped."""
+        rows, targets = [], []
+        for chunk in chunks:
+            request = self.scheduler.slot_requests[chunk.slot]
+            if request.index != 0 or request.params.prompt_logprobs is None:
+                continue
+            if request.prompt_logprobs is None:
+                request.prompt_logprobs = []
+            count = len(chunk.token_ids)
+            first = max(chunk.start, len(request.prompt_logprobs))
+            end = min(chunk.start + count, len(request.prompt_ids) - 1)
+            if first < end:
+                rows.append((chunk.slot, count - 1 - (first - chunk.start), end - first))
+                targets.append((request, first, end))
+        return rows, targets
 
-    def _record_prompt_logprobs(self, rows: list[tuple[int, int]], logits: paddle.Tensor) -> None:
-        """Turns the prompt logits of ``rows`` into each request's ``prompt_logprobs``."""
-        requests = [self.scheduler.slot_requests[slot] for slot, _ in rows]
-        top = max(request.params.prompt_logprobs for request in requests)
-        targets = np.concatenate([request.prompt_ids[1:] for request in requests])
-        chosen, ids, values = _on_host(
-            token_logprobs(logits, paddle.to_tensor(targets.astype(np.int64)), top)
+    def _record_prompt_logprobs(
+        self, targets: list[tuple[Request, int, int]], logits: paddle.Tensor
+    ) -> None:
+        """Appends the logprobs of ``targets``' prompt positions (from their ``logits``)
+        to their requests' ``prompt_logprobs``."""
+        top = max(request.params.prompt_logprobs for request, _, _ in targets)
+        ids = np.concatenate(
+            [request.prompt_ids[first + 1 : end + 1] for request, first, end in targets]
         )
-        start = 0
-        for request in requests:
-            k, count = request.params.prompt_logprobs, len(request.prompt_ids) - 1
-            request.prompt_logprobs = [
-                TokenLogprobs(
-                    int(targets[i]),
-                    float(chosen[i]),
-                    list(zip(ids[i, :k].tolist(), values[i, :k].tolist())) if k else [],
-                )
-                for i in range(start, start + count)
-            ]
-            start += count
-            self.last_step_prompt_logprobs[request.request_id] = request.prompt_logprobs
+        chosen, top_ids, top_values = _on_host(
+            token_logprobs(logits, paddle.to_tensor(ids.astype(np.int64)), top)
+        )
+        row = 0
+        for request, first, end in targets:
+            k = request.params.prompt_logprobs
+            for i in range(row, row + end - first):
+                pairs = list(zip(top_ids[i, :k].tolist(), top_values[i, :k].tolist())) if k else []
+                request.prompt_logprobs.append(TokenLogprobs(int(ids[i]), float(chosen[i]), pairs))
+            row += end - first
+
+    def _finish_prompt_logprobs(self, chunks: list) -> None:
+        """Reports the prompt logprobs of requests whose prompt this step completes (once:
+        not again after a recovery's re-prefill)."""
+        for chunk in chunks:
+            request = self.scheduler.slot_requests[chunk.slot]
+            if (
+                chunk.last
+                and request.index == 0
+                and request.params.prompt_logprobs is not None
+                and not request.prompt_logprobs_sent
+            ):
+                request.prompt_logprobs_sent = True
+                self.last_step_prompt_logprobs[request.request_id] = request.prompt_logprobs
 
     def _uniforms(self) -> paddle.Tensor | None:
         """This step's random draw per slot, or None when every running slot is greedy."""
@@ -328,6 +371,8 @@ class Engine:
         """Adds a step's tokens, preemptions, recoveries and block use to the stats."""
         stats = self.stats
         stats.generated_tokens += int(outcome.ran.sum())
+        stats.prompt_tokens_queried = self.scheduler.prompt_tokens_queried
+        stats.prompt_tokens_hit = self.scheduler.prompt_tokens_hit
         stats.recoveries += outcome.recovered
         # step_lens grows by the preempted and shrinks by the recovered.
         stats.preemptions += outcome.step_lens - self._step_lens + outcome.recovered

@@ -1,8 +1,8 @@
 """The device side of an engine step, over the slot state (``ShareInputs``) and the paged
-KV cache: writing admitted requests into their slots, the forward pass of every running
-slot, sampling, FastDeploy's ``update_inputs``, the two ops, the one copy back to the
-host, and clearing retired slots. Nothing here decides which request runs where; the
-``Scheduler`` does.
+KV cache: writing admitted requests into their slots and each step's prefill chunks, the
+forward pass of every running slot, sampling, FastDeploy's ``update_inputs``, the two
+ops, the one copy back to the host, and clearing retired slots. Nothing here decides
+which request runs where; the ``Scheduler`` does.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import paddle
 
 from ..config import EngineConfig
-from ..layers.paged_attention import PagedKVCache, build_flat_batch, slots_through_table
+from ..layers.paged_attention import PagedKVCache, build_flat_batch
 from ..layers.sampler import (
     SamplingControls,
     apply_controls,
@@ -23,7 +23,7 @@ from ..models.llama import LlamaForCausalLM
 from ..ops import advance_step, step_paddle
 from .outputs import StepOutcome
 from .request import MAX_LOGIT_BIAS, MAX_STOP_IDS, Request
-from .scheduler import SamplingPlan
+from .scheduler import PrefillChunk, SamplingPlan
 from .slot_state import ShareInputs
 
 __all__ = ["ModelRunner"]
@@ -41,21 +41,13 @@ class ModelRunner:
             model.config, config.num_kv_blocks, config.block_size
         )
 
-    def write_admitted(self, slots: list[int], requests: list[Request]) -> None:
-        """Sets the admitted slots' state as FastDeploy's runner does on insert."""
-        state, config = self.state, self.config
-        count = len(slots)
-        prompt_lens = np.array([len(r.prompt_ids) for r in requests], dtype=np.int32)
-        input_rows = np.zeros((count, config.max_model_len), dtype=np.int64)
-        table_rows = np.full((count, config.blocks_per_seq), -1, dtype=np.int32)
-        for row, request in enumerate(requests):
-            input_rows[row, : len(request.prompt_ids)] = request.prompt_ids
-            table_rows[row, : len(request.encoder_blocks)] = request.encoder_blocks
-
+    def _row_writer(self, slots: list[int]):
+        """``write(tensor, values)``: rows ``slots`` of ``tensor`` = ``values`` (one per
+        slot, or one for all)."""
+        state, count = self.state, len(slots)
         index = paddle.to_tensor(np.array(slots, dtype=np.int64), place=state.place)
 
         def write(tensor: paddle.Tensor, values) -> None:
-            """Rows ``slots`` of ``tensor`` = ``values`` (one per slot, or one for all)."""
             rows = np.broadcast_to(np.asarray(values), [count, *tensor.shape[1:]])
             paddle.scatter_(
                 tensor,
@@ -63,14 +55,18 @@ class ModelRunner:
                 paddle.to_tensor(np.ascontiguousarray(rows), dtype=tensor.dtype, place=state.place),
             )
 
-        write(state.input_ids, input_rows)
-        for lengths in (
-            state.seq_lens_this_time,
-            state.seq_lens_encoder,
-            state.ori_seq_lens_encoder,
-        ):
-            write(lengths, prompt_lens)
-        write(state.seq_lens_decoder, 0)
+        return write
+
+    def write_admitted(self, slots: list[int], requests: list[Request]) -> None:
+        """Sets the admitted slots' state as FastDeploy's runner does on insert (their
+        first tokens come with ``write_prefill_chunks``)."""
+        state, config = self.state, self.config
+        count = len(slots)
+        table_rows = np.full((count, config.blocks_per_seq), -1, dtype=np.int32)
+        for row, request in enumerate(requests):
+            table_rows[row, : len(request.encoder_blocks)] = request.encoder_blocks
+        write = self._row_writer(slots)
+        write(state.ori_seq_lens_encoder, [len(r.prompt_ids) for r in requests])
         write(state.step_idx, 0)
         write(state.first_token_ids, [r.prompt_ids[0] for r in requests])
         write(state.encoder_block_lens, [len(r.encoder_blocks) for r in requests])
@@ -99,31 +95,48 @@ class ModelRunner:
             bias_values[row, : len(p.logit_bias)] = list(p.logit_bias.values())
         write(state.logit_bias_ids, bias_ids)
         write(state.logit_bias_values, bias_values)
+        prompt_rows = np.full((count, config.max_model_len), -1, dtype=np.int64)
+        for row, request in enumerate(requests):
+            prompt_rows[row, : len(request.prompt_ids)] = request.prompt_ids
+        write(state.prompt_ids, prompt_rows)
         admitted_mask = np.zeros(config.max_batch, dtype=bool)
         admitted_mask[slots] = True
         keep_stopped = paddle.to_tensor(~admitted_mask, place=state.place)
         paddle.assign(paddle.logical_and(state.stop_flags, keep_stopped), output=state.stop_flags)
 
-    def forward(
-        self, forks: dict[int, int], prompt_rows: list[tuple[int, int]]
-    ) -> tuple[paddle.Tensor, paddle.Tensor | None]:
-        """Logits [B, vocab] of every running slot's last token this step.
+    def write_prefill_chunks(self, chunks: list[PrefillChunk]) -> None:
+        """Each chunk's slot runs its tokens this step from position ``start`` (none when
+        the budget left it nothing), as a prefill: FastDeploy's ``seq_lens_encoder`` is
+        its token count, and it takes no decode input from ``advance_step``."""
+        state, config = self.state, self.config
+        lens = np.array([len(chunk.token_ids) for chunk in chunks], dtype=np.int32)
+        input_rows = np.zeros((len(chunks), config.max_model_len), dtype=np.int64)
+        for row, chunk in enumerate(chunks):
+            input_rows[row, : lens[row]] = chunk.token_ids
+        write = self._row_writer([chunk.slot for chunk in chunks])
+        write(state.input_ids, input_rows)
+        write(state.seq_lens_this_time, lens)
+        write(state.seq_lens_encoder, lens)
+        write(state.seq_lens_decoder, [chunk.start for chunk in chunks])
+        prefilling = np.zeros(config.max_batch, dtype=bool)
+        prefilling[[chunk.slot for chunk in chunks]] = True
+        not_prefilling = paddle.to_tensor(~prefilling, place=state.place)
+        paddle.assign(
+            paddle.logical_and(state.decode_active, not_prefilling), output=state.decode_active
+        )
 
-        ``forks`` (slot -> slot): samples admitted this step that share another slot's
-        prompt: they are left out of the forward, get that slot's prompt K/V copied into
-        their own blocks and its logits as theirs. ``prompt_rows`` (slot, prompt length):
-        fresh prefills whose prompt logprobs are asked; their logits at positions 0 ..
-        P-2 come back too, [sum(P - 1), vocab] in that order (None without any).
+    def forward(
+        self, logit_rows: list[tuple[int, int, int]]
+    ) -> tuple[paddle.Tensor, paddle.Tensor | None]:
+        """Logits [B, vocab] of every running slot's last token this step; and, for each
+        ``(slot, back, count)`` of ``logit_rows``, those of ``count`` tokens of that row
+        starting ``back`` tokens before its last one (prompt logprobs), concatenated in
+        that order ([sum(count), vocab]; None without any).
         """
         state = self.state
-        lens = state.seq_lens_this_time
-        if forks:
-            computed = np.ones(self.config.max_batch, dtype=np.int32)
-            computed[list(forks)] = 0
-            lens = lens * paddle.to_tensor(computed, place=state.place)
         batch = build_flat_batch(
             state.input_ids,
-            lens,
+            state.seq_lens_this_time,
             state.seq_lens_decoder,
             state.block_tables,
             self.config.block_size,
@@ -138,41 +151,15 @@ class ModelRunner:
             ("slot_mapping", state.slot_mapping),
         ):
             batch[key] = paddle.where(is_decode, paddle.gather(prepared, rows), batch[key])
-        prompt_logits = None
-        if prompt_rows:
-            last = batch["last_token_index"].numpy()
-            index = np.concatenate(
-                [np.arange(last[slot] - length + 1, last[slot]) for slot, length in prompt_rows]
-            )
-            logits, prompt_logits = self.model.forward_paged(
-                **batch, kv_cache=self.kv_cache, extra_index=paddle.to_tensor(index)
-            )
-        else:
-            logits = self.model.forward_paged(**batch, kv_cache=self.kv_cache)
-        if forks:
-            self._copy_prompt_kv(forks)
-            source = np.arange(self.config.max_batch)
-            source[list(forks)] = list(forks.values())
-            logits = paddle.gather(logits, paddle.to_tensor(source, place=state.place))
-        return logits, prompt_logits
-
-    def _copy_prompt_kv(self, forks: dict[int, int]) -> None:
-        """Copies each source slot's prompt K/V (written by this step's prefill) into the
-        blocks of the slots forked from it."""
-        state = self.state
-        prompt_lens = state.seq_lens_this_time.numpy()
-        children = list(forks)
-        lengths = prompt_lens[children]
-        positions = np.concatenate([np.arange(length) for length in lengths])
-        child_rows = np.repeat(children, lengths)
-        source_rows = np.repeat([forks[child] for child in children], lengths)
-
-        def slots(rows: np.ndarray) -> paddle.Tensor:
-            tables = paddle.gather(state.block_tables, paddle.to_tensor(rows.astype(np.int64)))
-            at = paddle.to_tensor(positions.astype(np.int64)).unsqueeze(1)
-            return slots_through_table(tables, at, self.config.block_size).squeeze(1)
-
-        self.kv_cache.copy_slots(slots(source_rows), slots(child_rows))
+        if not logit_rows:
+            return self.model.forward_paged(**batch, kv_cache=self.kv_cache), None
+        last = batch["last_token_index"].numpy()
+        index = np.concatenate(
+            [np.arange(count) + last[slot] - back for slot, back, count in logit_rows]
+        )
+        return self.model.forward_paged(
+            **batch, kv_cache=self.kv_cache, extra_index=paddle.to_tensor(index)
+        )
 
     def uniforms(self, sampling_keys: np.ndarray, token_index: np.ndarray) -> paddle.Tensor:
         """This step's random draw per slot, keyed by its request's key and token index."""
@@ -225,28 +212,25 @@ class ModelRunner:
             controls.frequency_penalty = state.frequency_penalty
         if plan.repetition:
             controls.repetition_penalty = state.repetition_penalty
-            # input_ids holds the prompt except column 0, which update_inputs reuses.
-            columns = paddle.arange(state.input_ids.shape[1], dtype="int64").unsqueeze(0)
-            in_prompt = (columns >= 1) & (
-                columns < state.ori_seq_lens_encoder.astype("int64").unsqueeze(1)
-            )
-            rest = paddle.where(in_prompt, state.input_ids, paddle.full_like(state.input_ids, -1))
-            controls.prompt_tokens = paddle.concat(
-                [state.first_token_ids.unsqueeze(1), rest[:, 1:]], axis=1
-            )
+            controls.prompt_tokens = state.prompt_ids
         if plan.top_k:
             controls.top_k = state.top_k
         if plan.min_p:
             controls.min_p = state.min_p
         return controls
 
-    def update_inputs(self, ran: paddle.Tensor, tokens: paddle.Tensor) -> None:
+    def update_inputs(
+        self, running: paddle.Tensor, ran: paddle.Tensor, tokens: paddle.Tensor
+    ) -> None:
         """FastDeploy's update_inputs and stop checks, over the whole batch at once.
 
-        The rows that did not run are the stopped ones (finished, preempted or free):
-        their seq_lens_this_time is 0 and, of what is written here, later steps read only
-        their next_tokens and pre_ids columns >= 1 (a recovery rebuilds its row from
-        those), so only those two keep their values. That saves half the eager ops.
+        ``running``: the slots not stopped before the step; ``ran``: those of them that
+        sample a token (all but the ones mid-prefill). The rows that did not run are the
+        stopped ones (finished, preempted or free): their seq_lens_this_time is 0 and, of
+        what is written here, later steps read only their next_tokens and pre_ids columns
+        >= 1 (a recovery rebuilds its row from those), so only those two keep their
+        values. That saves half the eager ops. A row mid-prefill advances by its chunk
+        and takes its next one from the host (its input_ids column 0 is rewritten then).
         """
         state = self.state
         ran_count = ran.astype(state.step_idx.dtype)
@@ -261,7 +245,7 @@ class ModelRunner:
         paddle.assign(paddle.where(ran, tokens, state.next_tokens), output=state.next_tokens)
         state.input_ids[:, 0] = tokens
 
-        still_running = paddle.logical_and(ran, paddle.logical_not(finished)).astype(
+        still_running = paddle.logical_and(running, paddle.logical_not(finished)).astype(
             state.seq_lens_this_time.dtype
         )
         # A row that ran advances by the tokens it ran; a stopped one ends at 0.
@@ -330,7 +314,7 @@ class ModelRunner:
             stopped != 0,
             preempted != 0,
             step_idx,
-            int((recover_list >= 0).sum()),
+            recover_list[recover_list >= 0],
             step_lens,
             free_list_len,
         )

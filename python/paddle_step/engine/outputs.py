@@ -68,7 +68,8 @@ class SampleOutput:
 class GenerationResult:
     """One finished request: its prompt, its samples (``outputs``, ``n`` of them) and, when
     ``prompt_logprobs`` was asked, those of prompt positions 1 .. P-1 (position 0 has no
-    context, as in vLLM, whose list starts with None there).
+    context, as in vLLM, whose list starts with None there). ``cached_tokens``: the prompt
+    tokens whose K/V came from the prefix cache instead of being computed.
 
     ``token_ids`` and ``finish_reason`` are those of sample 0 (the only one unless ``n`` >
     1): ``"eos"``, ``"stop"`` (a stop token or the constraint finished), ``"length"``
@@ -79,6 +80,7 @@ class GenerationResult:
     prompt_ids: list[int]
     outputs: list[SampleOutput]
     prompt_logprobs: list[TokenLogprobs] | None = None
+    cached_tokens: int = 0
 
     @property
     def token_ids(self) -> list[int]:
@@ -118,7 +120,9 @@ class GenerationStats:
     ``preemptions`` and ``recoveries`` count ``step_paddle``'s evictions of running
     sequences and their returns; ``peak_blocks_in_use`` is the most KV blocks held at once
     (prompt blocks plus decoder blocks, measured after each step's scheduling); ``elapsed``
-    is the time spent in steps, in seconds.
+    is the time spent in steps, in seconds. ``prompt_tokens_queried`` and
+    ``prompt_tokens_hit`` are the prompt tokens admitted and those the prefix cache
+    supplied.
     """
 
     steps: int = 0
@@ -126,6 +130,8 @@ class GenerationStats:
     preemptions: int = 0
     recoveries: int = 0
     peak_blocks_in_use: int = 0
+    prompt_tokens_queried: int = 0
+    prompt_tokens_hit: int = 0
     elapsed: float = 0.0
 
     @property
@@ -147,6 +153,11 @@ class StepOutcome:
     stopped: np.ndarray  # bool: stop_flags after the step
     preempted: np.ndarray  # bool: is_block_step after the step
     step_idx: np.ndarray  # int64: tokens generated so far
-    recovered: int  # slots step_paddle recovered this step
+    recovered_slots: np.ndarray  # int64: the slots step_paddle recovered this step
     step_lens: int  # preempted slots waiting for recovery
     free_list_len: int  # blocks left in the decoder pool
+
+    @property
+    def recovered(self) -> int:
+        """How many slots step_paddle recovered this step."""
+        return int(self.recovered_slots.size)

@@ -67,7 +67,11 @@ class Request:
     ``params`` is what the request asked for; ``eos_token_ids`` are its resolved eos ids
     (the engine's when it named none). ``sampling_key`` keys its random draws (see
     ``sampler.sampling_uniforms``): from the request's own seed when it gave one, else
-    from the engine's seed and its id.
+    from the engine's seed and its id (and its sample index, for ``n`` > 1).
+
+    Prefix caching: ``block_hashes`` are the keys of its full prompt blocks (made at its
+    first admission attempt), ``blocks_cached`` how many leading ones are cached (hits
+    and those it computed), ``num_cached_tokens`` the prompt tokens the cache supplied.
     """
 
     request_id: int
@@ -77,8 +81,12 @@ class Request:
     sampling_key: int
     encoder_blocks: list[int] = field(default_factory=list)
     aborted: bool = False
+    block_hashes: list[bytes] = field(default_factory=list)
+    blocks_cached: int = 0
+    num_cached_tokens: int = 0
     constraint_finished: bool = False  # its constraint admits nothing more
     prompt_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs_sent: bool = False  # reported in a step's last_step_prompt_logprobs
     index: int = 0  # which sample of its request this is (n, best_of)
     # Every sample of the request, this one included (one list, shared by all of them).
     samples: list[Request] = field(default_factory=list, repr=False)
@@ -87,7 +95,8 @@ class Request:
         """Adds samples 1, 2, .. to this (first) sample, one per key: the same request
         with its own draws."""
         for key in sampling_keys:
-            sample = replace(self, sampling_key=key, encoder_blocks=[], index=len(self.samples))
+            sample = replace(self, sampling_key=key, encoder_blocks=[], index=len(self.samples),
+                             blocks_cached=0, num_cached_tokens=0)  # fmt: skip
             self.samples.append(sample)
 
     @property
@@ -174,12 +183,5 @@ class Request:
             raise ValueError(
                 f"add_request: argument 'n': expected 1 with a constraint (one constraint "
                 f"object follows one sample), got n={params.n}, best_of={params.best_of}"
-            )
-        if draws > config.max_batch or needed * draws > config.num_encoder_blocks:
-            raise ValueError(
-                f"add_request: {draws} samples (n={params.n}, best_of={params.best_of}) of a "
-                f"{len(prompt)}-token prompt need {draws} slots and {needed * draws} encoder "
-                f"blocks, expected <= max_batch ({config.max_batch}) and <= "
-                f"{config.num_encoder_blocks} (the encoder region)"
             )
         return request

@@ -35,7 +35,8 @@ class ShareInputs:
       (its eos ids, then its stop_token_ids); ``max_new_tokens`` [B] int64,
       ``temperature``, ``top_p``, ``min_p`` and the three penalties [B] float32,
       ``top_k`` and ``min_tokens`` [B] int64, ``logit_bias_ids`` [B, MAX_LOGIT_BIAS] int64
-      (-1 pads) and ``logit_bias_values`` float32: each slot's request parameters;
+      (-1 pads) and ``logit_bias_values`` float32, ``prompt_ids`` [B, max_model_len] int64
+      (-1 pads, for repetition_penalty): each slot's request parameters;
     - ``input_tokens``, ``input_positions``, ``slot_mapping`` [B] int64, ``context_lens``
       [B] int32 and ``decode_active`` [B] bool: ``advance_step``'s outputs, the next
       step's decode inputs (token, its position, its KV slot, context length) and which
@@ -98,6 +99,8 @@ class ShareInputs:
         self.min_tokens = per_slot(0, np.int64)
         self.logit_bias_ids = tensor(np.full([batch, MAX_LOGIT_BIAS], -1, np.int64))
         self.logit_bias_values = tensor(np.zeros([batch, MAX_LOGIT_BIAS], np.float32))
+        # The prompt (-1 pads): input_ids holds only each step's chunk.
+        self.prompt_ids = tensor(np.full([batch, width], -1, np.int64))
         # --- advance_step's outputs: the next step's decode inputs ---
         self.input_tokens = per_slot(0, np.int64)
         self.input_positions = per_slot(0, np.int64)
@@ -112,11 +115,14 @@ class ShareInputs:
 
     def check(self) -> None:
         """``check_state`` on this state (raises ``StateError`` listing every
-        violation), knowing the block-id layout: decoder blocks are the top ids."""
+        violation), knowing the block-id layout: decoder blocks are the top ids, and the
+        prompt blocks below them may be shared by several slots (prefix caching; the
+        engine checks their reference counts itself)."""
         config = self.config
         check_state(
             self.step_tensors(),
             config.block_size,
             num_blocks=config.num_kv_blocks,
             decoder_blocks=range(config.num_encoder_blocks, config.num_kv_blocks),
+            shared_prompt_blocks=range(config.num_encoder_blocks),
         )

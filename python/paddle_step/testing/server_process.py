@@ -1,7 +1,9 @@
 """A server for tests and benchmarks on 127.0.0.1: ``python -m paddle_step.serve`` in a
 subprocess (``server_process``: started on a free port, waited for until ``/health``
 answers, and always stopped), or an app served by uvicorn in a thread of this process
-(``serve_in_thread``)."""
+(``serve_in_thread``); and the helpers for any server so started (a free port, the health
+wait, a metric's value). Standard library only at import: an install check runs this
+where only the runtime packages are."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO
@@ -23,9 +25,12 @@ __all__ = [
     "ServerProcess",
     "descendants",
     "free_port",
+    "metric",
+    "metrics",
     "serve_in_thread",
     "server_process",
     "spawn_server",
+    "wait_for_health",
 ]
 
 
@@ -34,6 +39,46 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def wait_for_health(
+    url: str,
+    process: subprocess.Popen,
+    timeout_s: float,
+    log: Callable[[], str] | None = None,
+) -> None:
+    """Returns once ``url``/health answers 200; raises ``RuntimeError`` if ``process`` (the
+    server, or the launcher that runs it) exits first (with the end of ``log()``) or
+    ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while not _healthy(url):
+        if process.poll() is not None:
+            output = f": {log()[-2000:]}" if log is not None else ""
+            raise RuntimeError(f"the server exited ({process.returncode}){output}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server gave no /health answer within {timeout_s:.0f} s")
+        time.sleep(0.3)
+
+
+def metrics(url: str) -> dict[str, float]:
+    """The unlabelled metrics on ``url``/metrics, by name (one scrape)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if value and not line.startswith("#") and "{" not in name:
+            values[name] = float(value.split()[0])
+    return values
+
+
+def metric(url: str, name: str) -> float:
+    """The value of the unlabelled metric ``name`` on ``url``/metrics; raises ``KeyError``
+    if the page has none."""
+    values = metrics(url)
+    if name not in values:
+        raise KeyError(f"{url}/metrics has no metric {name}")
+    return values[name]
 
 
 @dataclass
@@ -69,13 +114,7 @@ def spawn_server(
     )
     server = ServerProcess(f"http://127.0.0.1:{port}", process, log)
     try:
-        deadline = time.monotonic() + timeout_s
-        while not _healthy(server.url):
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited: {server.log()[-2000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server gave no /health answer within {timeout_s:.0f} s")
-            time.sleep(0.3)
+        wait_for_health(server.url, process, timeout_s, server.log)
         yield server
     finally:
         if process.poll() is None:
@@ -117,7 +156,6 @@ def descendants(pid: int) -> list[int]:
 
 
 def _healthy(url: str) -> bool:
-    # urllib, not httpx: an install check runs this where only the runtime packages are.
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
             return answer.status == 200

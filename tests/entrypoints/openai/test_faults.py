@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from paddle_step.testing.faulty_serve import FAULT_VARIABLE
-from paddle_step.testing.server_process import descendants, spawn_server
+from paddle_step.testing.server_process import descendants, metrics, spawn_server
 
 # The shipped model; 8 slots, so the 10 requests below run together.
 FLAGS = ["--max-batch", "16", "--max-model-len", "256", "--kv-blocks", "400"]
@@ -67,7 +67,7 @@ async def in_flight_then(url: str, fault, settle: bool) -> tuple[list, list, flo
         if settle:
             await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)
             deadline = time.monotonic() + 60
-            while in_flight(await client.get(f"{url}/metrics")) < STREAMS + WHOLES:
+            while await asyncio.to_thread(in_flight, url) < STREAMS + WHOLES:
                 assert time.monotonic() < deadline, "the requests never ran together"
                 await asyncio.sleep(0.05)
         fault_at = time.monotonic()
@@ -76,12 +76,8 @@ async def in_flight_then(url: str, fault, settle: bool) -> tuple[list, list, flo
     return results[:STREAMS], results[STREAMS:], fault_at
 
 
-def in_flight(metrics: httpx.Response) -> int:
-    values = {}
-    for line in metrics.text.splitlines():
-        if line.startswith("paddle_step_requests_"):
-            name, value = line.split()
-            values[name] = float(value)
+def in_flight(url: str) -> int:
+    values = metrics(url)
     return int(values["paddle_step_requests_running"] + values["paddle_step_requests_waiting"])
 
 
@@ -93,6 +89,8 @@ def check_error(body: dict, status: int) -> None:
 def check_ended_with_errors(streams, wholes, fault_at: float) -> None:
     """Every stream ended with an error event then ``[DONE]``; every whole request got a
     503 in OpenAI's error format; all within ``END_WITHIN_S`` of the fault."""
+    latest = max(ended_at for _, ended_at in streams + wholes) - fault_at
+    print(f"the last request ended {latest * 1e3:.0f} ms after the fault")
     for lines, ended_at in streams:
         assert lines[-1] == "[DONE]", lines[-3:]
         check_error(json.loads(lines[-2]), 503)

@@ -86,6 +86,7 @@ def create_app(
         max_model_len=max_model_len,
         vocab_size=vocab_size,
         api_key=api_key is not None,
+        chat=getattr(tokenizer, "chat_template", "") is not None,
     )
     registry = metrics_registry(loop)
     created = int(time.time())
@@ -158,11 +159,17 @@ def create_app(
                 param="prompt",
             )
 
-    def token_budget(prompt_ids: list[int], asked: int | None, name: str) -> int:
+    def token_budget(prompt_ids: list[int], asked: int | None, name: str, prompt_param: str) -> int:
         """``asked`` (None: all the room left), checked against the context."""
         room = max_model_len - len(prompt_ids)
+        if room < 1:
+            raise ApiError(
+                f"the prompt ({len(prompt_ids)} tokens) leaves no room in the model's context "
+                f"of {max_model_len} tokens",
+                param=prompt_param,
+            )
         max_tokens = asked if asked is not None else room
-        if room < 1 or max_tokens > room:
+        if max_tokens > room:
             raise ApiError(
                 f"the prompt ({len(prompt_ids)} tokens) plus '{name}' ({max_tokens}) "
                 f"exceeds the model's context of {max_model_len} tokens",
@@ -226,7 +233,7 @@ def create_app(
         new_constraint = await constraints_of(body)
         for index, (prompt, prompt_ids) in enumerate(zip(prompts, prompt_ids_list)):
             check_model_and_prompt(body, prompt_ids)
-            max_tokens = token_budget(prompt_ids, body.max_tokens, "max_tokens")
+            max_tokens = token_budget(prompt_ids, body.max_tokens, "max_tokens", "prompt")
             best_of = body.samples_drawn()
             params = body.sampling_params(
                 max_tokens,
@@ -255,7 +262,7 @@ def create_app(
             raise ApiError(f"'messages': {error}", param="messages") from None
         check_model_and_prompt(body, prompt_ids)
         limit_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        max_tokens = token_budget(prompt_ids, body.completion_limit(), limit_name)
+        max_tokens = token_budget(prompt_ids, body.completion_limit(), limit_name, "messages")
         params = body.sampling_params(
             max_tokens,
             vocab_size,
@@ -355,6 +362,7 @@ class _Run:
         self.samples: dict[int, _Choice] = {}
         self.returned: list[_Choice] = []  # in choice order, once finished
         self.prompt_logprobs = None
+        self.cached_tokens = 0  # prompt tokens the prefix cache supplied
         self.error: ApiError | None = None
         self.finished = False
 
@@ -422,6 +430,8 @@ async def _relay(
                 run.returned = [run.samples[j] for j in range(run.params.n)]
                 run.finished = True
                 pending -= 1
+        elif kind == "cached":
+            run.cached_tokens = value
         elif kind == "prompt_logprobs":
             run.prompt_logprobs = value
             yield run, None, ""
@@ -573,6 +583,7 @@ class _Format:
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(run.cached_tokens for run in runs)},
         }
 
     def first_chunks(self, run: _Run) -> list[dict]:

@@ -8,9 +8,9 @@ know from the request models.
   (FastAPI's 422 never happens), 401 with an API key, 413, 429 and 503; ``/health``'s 503.
 - That streams are ``text/event-stream`` and ``/metrics`` is Prometheus text.
 
-Some checks depend on more than one field or on the checkpoint (the prompt's tokens plus
-``max_tokens`` within the context, a chat template to render messages): a request the
-schema allows can still get 400 for these, as the 400 response's description says.
+Some checks depend on more than one field (the prompt's tokens plus ``max_tokens`` within
+the context): a request the schema allows can still get 400 for these, as the 400
+response's description says. Without a chat template the chat endpoint is left out.
 """
 
 from __future__ import annotations
@@ -42,11 +42,20 @@ _ERROR_SCHEMA = {
     },
 }
 
+# One server-sent event: its data is a JSON chunk (or an error object), the last one
+# "[DONE]".
+_SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string"}},
+}
+
 _ERRORS = {
     "400": "Invalid request: a field out of its bounds, malformed JSON, a string that is not "
-    "Unicode text, or a check the schema cannot express (prompt tokens plus max_tokens "
-    "beyond the context, token ids outside the vocabulary, no chat template).",
+    "Unicode text, or a check the schema cannot express (the prompt's tokens plus "
+    "max_tokens beyond the context).",
     "401": "Missing or wrong API key (Authorization: Bearer KEY).",
+    "404": "No model of that id is served.",
     "413": "The request body exceeds the server's limit.",
     "429": "Too many requests waiting for a batch slot; retry after Retry-After seconds.",
     "503": "The engine has failed or the server is shutting down.",
@@ -54,14 +63,26 @@ _ERRORS = {
 
 
 def install_openapi(
-    app: FastAPI, *, model_name: str, max_model_len: int, vocab_size: int, api_key: bool
+    app: FastAPI,
+    *,
+    model_name: str,
+    max_model_len: int,
+    vocab_size: int,
+    api_key: bool,
+    chat: bool,
 ) -> None:
-    """Makes ``app.openapi()`` return the amended document (built once, on first use)."""
+    """Makes ``app.openapi()`` return the amended document (built once, on first use).
+    ``chat`` False (a checkpoint without a chat template, whose chat requests all get
+    400) leaves ``/v1/chat/completions`` out of it."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             document = get_openapi(title=app.title, version=app.version, routes=app.routes)
             _amend(document, model_name, max_model_len, vocab_size, api_key)
+            if not chat:
+                document["paths"].pop("/v1/chat/completions", None)
+                document["components"]["schemas"].pop("ChatCompletionRequest", None)
+                document["components"]["schemas"].pop("ChatMessage", None)
             app.openapi_schema = document
         return app.openapi_schema
 
@@ -116,6 +137,8 @@ def _amend(
             responses.pop("422", None)
             if path.startswith("/v1/"):
                 statuses = ["401"] if api_key else []
+                if path.startswith("/v1/models/"):
+                    statuses.append("404")
                 if method == "post":
                     statuses = ["400", *statuses, "413", "429", "503"]
                     responses["200"] = {
@@ -123,7 +146,7 @@ def _amend(
                         "events ending with data: [DONE]).",
                         "content": {
                             "application/json": {"schema": {"type": "object"}},
-                            "text/event-stream": {"schema": {"type": "string"}},
+                            "text/event-stream": {"schema": _SSE_EVENT},
                         },
                     }
                 for status in statuses:

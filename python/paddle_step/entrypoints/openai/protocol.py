@@ -8,10 +8,11 @@ accepted only when absent or null. Nothing a client sends is silently ignored.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
@@ -71,6 +72,15 @@ def _refuse_unless(condition: bool, name: str, expected: str, value: Any) -> Non
         raise ApiError(f"'{name}': expected {expected}, got {value!r}", param=name)
 
 
+def _integral(value):
+    """JSON has one kind of number: 7.0 is the integer 7, as JSON Schema's "integer" says
+    (and schema-driven clients send it). Fractions, bools and strings stay refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Integer = Annotated[StrictInt, BeforeValidator(_integral)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -120,21 +130,21 @@ class _RequestFields(_Strict):
     """Fields both endpoints share (OpenAI's, plus vLLM's sampling extensions)."""
 
     model: StrictStr
-    max_tokens: StrictInt | None = None
+    max_tokens: Integer | None = None
     temperature: Number = 1.0
     top_p: Number = 1.0
-    top_k: StrictInt = 0  # vLLM's extension; 0 or -1: off
+    top_k: Integer = 0  # vLLM's extension; 0 or -1: off
     min_p: Number = 0.0  # vLLM's extension
     presence_penalty: Number = 0.0
     frequency_penalty: Number = 0.0
     repetition_penalty: Number = 1.0  # vLLM's extension
     logit_bias: dict[str, Number] | None = None
-    min_tokens: StrictInt = 0  # vLLM's extension
+    min_tokens: Integer = 0  # vLLM's extension
     stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[StrictInt] | None = None  # vLLM's extension
+    stop_token_ids: list[Integer] | None = None  # vLLM's extension
     ignore_eos: StrictBool = False  # vLLM's extension
-    seed: StrictInt | None = None
-    n: StrictInt = 1
+    seed: Integer | None = None
+    n: Integer = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
@@ -234,11 +244,11 @@ class _RequestFields(_Strict):
 class CompletionRequest(_RequestFields):
     """``POST /v1/completions``: one prompt or a batch (strings or token-id lists)."""
 
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    prompt: StrictStr | list[StrictStr] | list[Integer] | list[list[Integer]]
     echo: StrictBool = False
-    logprobs: StrictInt | None = None
-    prompt_logprobs: StrictInt | None = None  # vLLM's extension
-    best_of: StrictInt | None = None
+    logprobs: Integer | None = None
+    prompt_logprobs: Integer | None = None  # vLLM's extension
+    best_of: Integer | None = None
     suffix: None = None  # insertion is not supported: only null is accepted
 
     def prompts(self) -> list[str | list[int]]:
@@ -332,9 +342,9 @@ class ChatCompletionRequest(_RequestFields):
     """``POST /v1/chat/completions``: messages rendered by the checkpoint's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = None
+    max_completion_tokens: Integer | None = None
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: Integer | None = None
     # Tool use is not supported: accepted only when absent, null, empty or "none".
     tools: list[Any] | None = None
     tool_choice: Literal["none"] | None = None
