@@ -144,7 +144,8 @@ SURROGATE_BODIES = {
     "stop-list": ("/v1/completions", {"prompt": "hi", "stop": ["a", SURROGATE]}),
     "model": ("/v1/completions", {"prompt": "hi", "model": SURROGATE}),
     "user": ("/v1/completions", {"prompt": "hi", "user": SURROGATE}),
-    "extra": ("/v1/completions", {"prompt": "hi", "metadata": {SURROGATE: 1}}),
+    # A dict key (unknown fields are refused by name before this check).
+    "dict-key": ("/v1/completions", {"prompt": "hi", "logit_bias": {SURROGATE: 1}}),
     "chat-content": (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": SURROGATE}]},
