@@ -129,8 +129,8 @@ def run_shared_prefix(loaded, prompts, args, caching: bool) -> dict:
             in_flight += 1
         finished = engine.step()
         now = time.perf_counter()
-        for request_id, _token in engine.last_step_tokens:
-            first.setdefault(request_id, now)
+        for token in engine.last_step_outputs:
+            first.setdefault(token.request_id, now)
         in_flight -= len(finished)
     elapsed = time.perf_counter() - started
     ttft = [first[request_id] - added[request_id] for request_id in added]
@@ -171,7 +171,7 @@ def run_long_prompt(loaded, args, budget: int | None) -> dict:
             arrived = time.perf_counter()
         engine.step()
         now = time.perf_counter()
-        tokens = dict(engine.last_step_tokens)
+        tokens = {token.request_id: token.token_id for token in engine.last_step_outputs}
         for request_id in streams:
             if request_id in tokens:
                 if arrived is not None and request_id in last_token:

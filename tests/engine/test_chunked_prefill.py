@@ -48,12 +48,12 @@ class TokenCounter:
         self.steps: list[np.ndarray] = []
         forward = engine.runner.forward
 
-        def counted():
+        def counted(logit_rows):
             state = engine.state
             lens = state.seq_lens_this_time.numpy().reshape(-1).copy()
             lens[state.stop_flags.numpy().reshape(-1)] = 0
             self.steps.append(lens)
-            return forward()
+            return forward(logit_rows)
 
         engine.runner.forward = counted
 
@@ -109,7 +109,7 @@ def test_a_prompt_mid_prefill_is_never_sampled_and_decodes_go_first(model) -> No
     results = {}
     while engine.has_unfinished():
         results.update((r.request_id, r.token_ids) for r in engine.step())
-        tokens_by_id = dict(engine.last_step_tokens)
+        tokens_by_id = {t.request_id: t.token_id for t in engine.last_step_outputs}
         if long_id in tokens_by_id and first_token_step is None:
             first_token_step = len(counter.steps)
         decoding = counter.steps[-1][:2]
