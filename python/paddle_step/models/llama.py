@@ -26,7 +26,14 @@ import paddle
 from paddle import nn
 
 from ..config import ModelConfig
-from ..layers.dense_blocks import AllReduceFn, DenseWeight, ModelBlocks, model_blocks
+from ..layers import cpu_linear
+from ..layers.dense_blocks import (
+    AllReduceFn,
+    DenseWeight,
+    ModelBlocks,
+    check_packed_weights_run,
+    model_blocks,
+)
 from ..layers.paged_attention import (
     KeptSlots,
     PagedKVCache,
@@ -123,6 +130,13 @@ class DecoderLayer(nn.Layer):
             weight = values(f"{prefix}.{name}.weight", [hidden], _ones(hidden))
             return RMSNorm(weight, config.dtype)
 
+        if config.weight_format is not None:
+            # No parameters: each product's weights packed once, as the blocks take them.
+            def linear(name: str, fan_in: int, fan_out: int) -> np.ndarray:
+                return values(
+                    f"{prefix}.{name}", [fan_in, fan_out], _scaled_normal(fan_in, fan_out)
+                )
+
         self.attn_norm = norm("attn_norm")
         self.wq = linear("wq", hidden, q_width)
         self.q_bias = bias("q_bias", q_width, config.qkv_bias)
@@ -137,6 +151,27 @@ class DecoderLayer(nn.Layer):
         self.w_up = linear("w_up", hidden, config.intermediate_size)
         self.w_down = linear("w_down", config.intermediate_size, hidden)
         self._dense = None
+        if config.weight_format is not None:
+            self._dense = self._packed_weights(config.weight_format)
+
+    def _packed_weights(self, weight_format: str) -> tuple:
+        """``_dense_weights`` of a model whose weights exist only in ``weight_format``,
+        packed from the arrays, which are dropped."""
+
+        def packed(*arrays: np.ndarray) -> DenseWeight:
+            joined = np.concatenate(arrays, axis=1) if len(arrays) > 1 else arrays[0]
+            return DenseWeight.packed_only(joined.astype(np.float32, copy=False), weight_format)
+
+        biases = (self.q_bias, self.k_bias, self.v_bias)
+        dense = (
+            packed(self.wq, self.wk, self.wv),
+            None if self.q_bias is None else paddle.concat(biases),
+            packed(self.wo),
+            packed(self.w_gate, self.w_up),
+            packed(self.w_down),
+        )
+        self.wq = self.wk = self.wv = self.wo = self.w_gate = self.w_up = self.w_down = None
+        return dense
 
     def _dense_weights(self) -> tuple[DenseWeight, paddle.Tensor | None, DenseWeight, DenseWeight,
                                       DenseWeight]:  # fmt: skip
@@ -222,7 +257,10 @@ class LlamaForCausalLM(nn.Layer):
                 return array
 
         hidden, vocab = config.hidden_size, config.vocab_size
+        if config.weight_format is not None:
+            check_packed_weights_run(config.weight_format)
         self.blocks = model_blocks(config, all_reduce)
+        consumed = set()
 
         def parameter(name: str, shape: list[int], draw: Draw) -> paddle.Tensor:
             return self.create_parameter(
@@ -233,28 +271,49 @@ class LlamaForCausalLM(nn.Layer):
                 ),
             )
 
+        def tracked(name: str, shape: list[int], draw: Draw) -> np.ndarray:
+            consumed.add(name)
+            return values(name, shape, draw)
+
         # Unit-variance embeddings and an lm_head scaled for O(1) logits keep the logits
         # spread out, so greedy decoding wanders over many tokens instead of tying.
-        self.embed = parameter(
-            "embed", [vocab, hidden], lambda rng: rng.standard_normal((vocab, hidden))
-        )
+        def embedding(rng: np.random.Generator) -> np.ndarray:
+            return rng.standard_normal((vocab, hidden))
+
+        lm_head = _scaled_normal(hidden, vocab)
+        self._embedding = None  # the packed embedding, for a packed-only model
+        self._lm_head = None  # DenseWeight of the LM head, made on first use
+        if config.weight_format is None:
+            self.embed = parameter("embed", [vocab, hidden], embedding)
+        else:
+            # Packed as the LM head's [hidden, vocab]: a tied model keeps one copy.
+            embed = tracked("embed", [vocab, hidden], embedding).astype(np.float32, copy=False)
+            self.embed = None
+            self._embedding = DenseWeight.packed_only(embed.T, config.weight_format)
+            del embed
         self.layers = nn.LayerList(
             [
-                DecoderLayer(config, f"layers.{i}", values, self.blocks)
+                DecoderLayer(config, f"layers.{i}", tracked, self.blocks)
                 for i in range(config.num_layers)
             ]
         )
         self.final_norm = RMSNorm(
             values("final_norm.weight", [hidden], _ones(hidden)), config.dtype
         )
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else parameter("lm_head", [hidden, vocab], _scaled_normal(hidden, vocab))
-        )
-        self._lm_head = None  # DenseWeight of the LM head, made on first use
+        if config.tie_word_embeddings:
+            self.lm_head = None
+            self._lm_head = self._embedding  # packed-only: the same copy; else made on use
+        elif config.weight_format is None:
+            self.lm_head = parameter("lm_head", [hidden, vocab], lm_head)
+        else:
+            self.lm_head = None
+            head = tracked("lm_head", [hidden, vocab], lm_head)
+            self._lm_head = DenseWeight.packed_only(
+                head.astype(np.float32, copy=False), config.weight_format
+            )
         if weights is not None:
-            unused = sorted(set(weights) - {name for name, _ in self.named_parameters()})
+            known = {name for name, _ in self.named_parameters()} | consumed
+            unused = sorted(set(weights) - known)
             if unused:
                 raise ValueError(
                     f"LlamaForCausalLM: argument 'weights': arrays for no parameter: {unused}"
@@ -281,7 +340,10 @@ class LlamaForCausalLM(nn.Layer):
     ) -> paddle.Tensor:
         """Hidden states [T, hidden] of the tokens ``input_ids`` [T], before the final norm
         (``_logits`` applies it, to the rows it needs)."""
-        x = paddle.gather(self.embed, input_ids)
+        if self._embedding is None:
+            x = paddle.gather(self.embed, input_ids)
+        else:
+            x = cpu_linear.columns(self._embedding.packed, input_ids)
         rope = self._rope(positions)
         for index, layer in enumerate(self.layers):
             x = layer(x, rope, attend_for_layer(index))
