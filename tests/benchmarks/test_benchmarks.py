@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_json(script: str, *extra: str) -> dict:
+def run_json(script: str, *extra: str, timeout: float = 120) -> dict:
     env = dict(os.environ)
     paths = [str(ROOT / "tests"), str(ROOT / "python")]
     if env.get("PYTHONPATH"):
@@ -21,7 +21,7 @@ def run_json(script: str, *extra: str) -> dict:
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     lines = [line for line in completed.stdout.splitlines() if line.strip()]
@@ -72,3 +72,16 @@ def test_bench_decode_quick_json():
             # The ops work in place: no new buffers for the tensors they write.
             assert alloc["data_pointer_changes"] == 0
             assert alloc["allocated_bytes_per_call_max"] == 0
+
+
+def test_bench_weight_formats_quick_json():
+    # Three fresh processes, one per format: a longer bound than one script's.
+    report = run_json("bench_weight_formats.py", timeout=600)
+    assert [row["format"] for row in report["results"]] == ["float32", "bfloat16", "int8"]
+    weights = {row["format"]: row["weight_mb"] for row in report["results"]}
+    # The tiny shape's packed formats keep 2 and about 1 byte per weight, float32 more.
+    assert weights["int8"] < weights["bfloat16"] < weights["float32"]
+    for row in report["results"]:
+        assert row["rss_after_load_mb"] >= row["rss_before_load_mb"] > 0
+        assert set(row["batches"]) == {"1", "2"}
+        assert all(run["tokens_per_s"] > 0 for run in row["batches"].values())

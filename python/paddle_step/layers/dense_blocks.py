@@ -15,7 +15,8 @@ each block times every way it can run the first time a row count class
 (``padded_rows``) appears, and keeps the fastest for that class (``DenseBlock``).
 ``PADDLE_STEP_DENSE`` forces one way where it can run (``eager``, ``op``, ``compiled``;
 default ``auto``); ``PADDLE_STEP_ONEDNN=0`` leaves ``compiled`` out. float64, Paddle before
-3.0 and devices other than the CPU run eagerly.
+3.0 and devices other than the CPU run eagerly. A model whose weights are kept in bfloat16
+or int8 (``ModelConfig.weight_format``) has them only packed, and runs the op alone.
 
 The same Python function makes all three, so they compute the same expression and differ
 only in float rounding (summation order).
