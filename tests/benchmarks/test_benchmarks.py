@@ -72,3 +72,23 @@ def test_bench_decode_quick_json():
             # The ops work in place: no new buffers for the tensors they write.
             assert alloc["data_pointer_changes"] == 0
             assert alloc["allocated_bytes_per_call_max"] == 0
+
+
+def test_bench_cpu_linear_quick_json():
+    report = run_json("bench_cpu_linear.py", "--threads", "1,2")
+    assert {"env", "config", "machine", "results"} <= set(report)
+    for limits in report["machine"].values():
+        assert limits["read_gb_s"] > 0 and limits["peak_gflop_s"] > 0
+    seen = set()
+    for row in report["results"]:
+        seen.add((row["threads"], row["product"], row["M"]))
+        assert row["read_ms"] > 0
+        for way in ("op", "eager"):
+            assert row[way]["ms"] > 0 and row[way]["gflop_s"] > 0
+        assert isinstance(row["met"], bool) and row["target"]
+    assert seen == {
+        (threads, product, rows)
+        for threads in (1, 2)
+        for product in ("mlp_up", "layer", "lm_head")
+        for rows in (1, 8, 32)
+    }
