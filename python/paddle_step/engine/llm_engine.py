@@ -210,8 +210,8 @@ class Engine:
         # Rows with tokens this step: running (new or recovered prefills, and decodes).
         ran = paddle.logical_not(runner.state.stop_flags)
         if ran_any:
-            logits = runner.forward()
-            tokens = runner.sample(logits, self._uniforms())
+            logits, slots = runner.forward()
+            tokens = runner.sample(logits, slots, self._uniforms())
             runner.update_inputs(ran, tokens)
         else:
             tokens = paddle.zeros_like(runner.state.next_tokens)

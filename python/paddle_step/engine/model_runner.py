@@ -82,8 +82,10 @@ class ModelRunner:
         keep_stopped = paddle.to_tensor(~admitted_mask, place=state.place)
         paddle.assign(paddle.logical_and(state.stop_flags, keep_stopped), output=state.stop_flags)
 
-    def forward(self) -> paddle.Tensor:
-        """Logits [B, vocab] of every running slot's last token this step."""
+    def forward(self) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """(logits [R, vocab], slots int64 [R]): the logits of the last token of each of
+        the R slots that run this step, and those slots. Only they go through the LM head
+        (at B = 8 with one request running, one row instead of eight)."""
         state = self.state
         batch = build_flat_batch(
             state.input_ids,
@@ -102,17 +104,30 @@ class ModelRunner:
             ("slot_mapping", state.slot_mapping),
         ):
             batch[key] = paddle.where(is_decode, paddle.gather(prepared, rows), batch[key])
-        return self.model.forward_paged(**batch, kv_cache=self.kv_cache)
+        slots = paddle.nonzero(batch["last_token_index"] >= 0).reshape([-1])
+        batch["last_token_index"] = paddle.gather(batch["last_token_index"], slots)
+        return self.model.forward_paged(**batch, kv_cache=self.kv_cache), slots
 
     def uniforms(self, sampling_keys: np.ndarray, token_index: np.ndarray) -> paddle.Tensor:
         """This step's random draw per slot, keyed by its request's key and token index."""
         draws = sampling_uniforms(sampling_keys, token_index)
         return paddle.to_tensor(draws, place=self.state.place)
 
-    def sample(self, logits: paddle.Tensor, uniforms: paddle.Tensor | None) -> paddle.Tensor:
-        """One token per slot, with each slot's temperature and top_p."""
+    def sample(
+        self, logits: paddle.Tensor, slots: paddle.Tensor, uniforms: paddle.Tensor | None
+    ) -> paddle.Tensor:
+        """Tokens int64 [B]: for each of ``slots`` one sampled from its row of ``logits``
+        with the slot's temperature and top_p (and its entry of ``uniforms`` [B]); 0 for
+        the slots that did not run (``update_inputs`` reads no token of those)."""
         state = self.state
-        return sample_tokens(logits, state.temperature, state.top_p, uniforms)
+        sampled = sample_tokens(
+            logits,
+            paddle.gather(state.temperature, slots),
+            paddle.gather(state.top_p, slots),
+            None if uniforms is None else paddle.gather(uniforms, slots),
+        )
+        tokens = paddle.zeros([self.config.max_batch], dtype=sampled.dtype)
+        return paddle.scatter(tokens, slots, sampled)
 
     def update_inputs(self, ran: paddle.Tensor, tokens: paddle.Tensor) -> None:
         """FastDeploy's update_inputs and stop checks, over the whole batch at once.

@@ -385,8 +385,9 @@ class LlamaForCausalLM(nn.Layer):
             positions: [T] int64 absolute position of each token in its sequence.
             slot_mapping: [T] int64 cache slot for each token's K/V; -1 writes nothing.
             token_rows: [T] int64 block-table row each token belongs to.
-            last_token_index: [B] int64 flat index of each row's last token, -1 for a row
-                with no token this step.
+            last_token_index: [R] int64 flat index of the last token of each row whose
+                logits are wanted (B rows, or only the rows sampled this step), -1 for a
+                row with no token this step.
             block_tables: [B, M] int32/int64 block ids of each row's sequence, -1 unused.
             max_context_len: at least the largest ``position + 1`` in the step; decode
                 tokens look their keys up for positions ``0 .. max_context_len - 1``.
@@ -395,7 +396,8 @@ class LlamaForCausalLM(nn.Layer):
         Each token attends to its sequence's keys at positions up to and including its own.
         Tokens of a row starting at position 0 (a prefill) use the step's own K/V; the others
         read theirs back from the cache (so earlier steps' K/V must be there). Returns
-        logits [B, vocab] of each row's last token; rows without a token get zeros.
+        logits [R, vocab] of the tokens ``last_token_index`` names; -1 gets zeros (the LM
+        head runs on every index given: pass only the rows that sample).
         """
         layout = PrefillLayout(positions.numpy(), token_rows.numpy())
         kept_slots = KeptSlots(slot_mapping)
@@ -450,7 +452,9 @@ class LlamaForCausalLM(nn.Layer):
             return attend
 
         hidden = self._run_layers(input_ids, positions, paged_attention_for)
-        has_token = (last_token_index >= 0).unsqueeze(1)
         last_hidden = paddle.gather(hidden, paddle.clip(last_token_index, min=0))
         logits = self._logits(last_hidden)
-        return paddle.where(has_token, logits, paddle.zeros_like(logits))
+        no_token = last_token_index < 0
+        if bool(no_token.any()):  # [R, vocab] of zeros and a select: only when asked for
+            logits = paddle.where(no_token.unsqueeze(1), paddle.zeros_like(logits), logits)
+        return logits
