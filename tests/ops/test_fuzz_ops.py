@@ -184,7 +184,7 @@ INVALID_CALLS = textwrap.dedent("""
     import numpy as np
     import paddle
     import paddle_step
-    from paddle_step.tensor_table import STEP_PADDLE_DTYPES, STEP_PADDLE_TENSORS
+    from paddle_step.spec.tensor_table import STEP_PADDLE_DTYPES, STEP_PADDLE_TENSORS
     from paddle_step.testing.fake_decode_loop import make_state
 
     rng = np.random.default_rng(int(sys.argv[1]))
