@@ -10,9 +10,12 @@
 // its least lucky thread). A loop returns once each of its tasks has run; a
 // worker that wakes after that finds nothing left to claim.
 //
-// A worker that has finished a loop spins for a while (kSpinMicroseconds)
+// A worker that has finished a loop polls for a while (kSpinMicroseconds)
 // before it sleeps: the next product of a step usually comes within
-// microseconds, and waking a sleeping thread costs tens of them.
+// microseconds, and waking a sleeping thread costs tens of them. It polls with
+// sched_yield, not a pure spin, so that any other thread ready on its core
+// (Paddle's own OpenMP threads between two products, another process) runs
+// first: a spinning worker would hold the core they wait for.
 #pragma once
 
 #include <algorithm>
@@ -23,10 +26,6 @@
 #include <mutex>
 #include <thread>
 #include <vector>
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#endif
 
 namespace paddle_step::cpu {
 
@@ -96,13 +95,8 @@ class ThreadPool {
            static_cast<uint64_t>(next);
   }
 
-  static void Relax() {
-#if defined(__x86_64__) && defined(__GNUC__)
-    _mm_pause();
-#else
-    std::this_thread::yield();
-#endif
-  }
+  // Lets another thread ready on this core run, if there is one.
+  static void Relax() { std::this_thread::yield(); }
 
   // Claims and runs tasks of loop `generation` until none is left.
   void Work(uint64_t generation) {
@@ -128,7 +122,7 @@ class ThreadPool {
       while (generation_.load(std::memory_order_acquire) == seen &&
              !stop_.load(std::memory_order_relaxed) &&
              std::chrono::steady_clock::now() < spin_until) {
-        for (int i = 0; i < 64; ++i) Relax();
+        Relax();
       }
       {
         std::unique_lock<std::mutex> lock(mutex_);
