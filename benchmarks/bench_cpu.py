@@ -39,6 +39,7 @@ import concurrent.futures
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -52,8 +53,10 @@ sys.path.insert(0, str(HERE))
 from make_random_llama import SHAPES, write_checkpoint  # noqa: E402
 
 PROMPT_LEN = 64
-RUNS = {"h512": {"batches": (1, 8, 32), "new_tokens": 64},
-        "qwen2.5-0.5b": {"batches": (1, 8), "new_tokens": 32}}  # fmt: skip
+RUNS = {
+    "h512": {"batches": (1, 8, 32), "new_tokens": 64},
+    "qwen2.5-0.5b": {"batches": (1, 8), "new_tokens": 32},
+}
 WARMUP_TOKENS = 2
 SEED = 0
 # (engine, format): the float32 comparison on every shape, the other formats on FORMAT_SHAPES.
@@ -66,12 +69,20 @@ OTHER_FORMATS = (
     ("llama.cpp", "q8_0"),
 )
 FORMAT_SHAPES = ("qwen2.5-0.5b",)
-WORKERS = {"paddle_step": "bench_cpu_ours.py", "vllm": "bench_cpu_vllm.py",
-           "llama.cpp": "bench_cpu_llamacpp.py"}  # fmt: skip
+WORKERS = {
+    "paddle_step": "bench_cpu_ours.py",
+    "vllm": "bench_cpu_vllm.py",
+    "llama.cpp": "bench_cpu_llamacpp.py",
+}
 # Bytes a decode step reads per weight element, by format (Q8_0: 32 int8 + one f16 scale).
 WEIGHT_BYTES = {"float32": 4, "f32": 4, "bfloat16": 2, "bf16": 2, "int8": 1, "q8_0": 34 / 32}
 # The dtype of vLLM's row the ids of a format are compared with.
-VLLM_REFERENCE = {"float32": "float32", "f32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+VLLM_REFERENCE = {
+    "float32": "float32",
+    "f32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+}
 WORKER_TIMEOUT_S = 3600
 LLAMA_CPP_SDIST = "llama_cpp_python-0.3.36"
 
@@ -157,10 +168,18 @@ def gguf(work: Path, shape: str, outtype: str, args) -> Path | str:
     log(f"converting {shape} to {out.name}")
     partial = out.with_suffix(".partial")
     completed = subprocess.run(
-        [args.vllm_python, str(HERE / "bench_cpu_convert.py"), str(converter_dir),
-         str(checkpoint(work, shape)), str(partial), outtype],
-        capture_output=True, text=True, timeout=WORKER_TIMEOUT_S,
-    )  # fmt: skip
+        [
+            args.vllm_python,
+            str(HERE / "bench_cpu_convert.py"),
+            str(converter_dir),
+            str(checkpoint(work, shape)),
+            str(partial),
+            outtype,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=WORKER_TIMEOUT_S,
+    )
     if completed.returncode != 0:
         return f"convert_hf_to_gguf.py failed: {completed.stderr[-1500:]}"
     partial.rename(out)
@@ -175,12 +194,39 @@ def prompts_for(shape: str, batch: int) -> list[list[int]]:
 
 
 def python_for(engine: str, args) -> str:
-    return {"paddle_step": args.ours_python, "vllm": args.vllm_python,
-            "llama.cpp": args.llamacpp_python}[engine]  # fmt: skip
+    return {
+        "paddle_step": args.ours_python,
+        "vllm": args.vllm_python,
+        "llama.cpp": args.llamacpp_python,
+    }[engine]
 
 
-def run_worker(engine: str, fmt: str, threads: int, shape: str, batches, new_tokens: int,
-               work: Path, args) -> dict:  # fmt: skip
+def run_in_own_group(command: list, env: dict, log_base: Path):
+    """Runs ``command`` in a new process group with its output in files, waits for it,
+    then ends what is left of the group: vLLM's engine processes can outlive the worker.
+    Returns (exit status or None on timeout, stdout, stderr)."""
+    out_path, err_path = Path(f"{log_base}.out"), Path(f"{log_base}.err")
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        process = subprocess.Popen(
+            command, stdout=out, stderr=err, env=env, cwd=ROOT, start_new_session=True
+        )
+        try:
+            returncode = process.wait(timeout=WORKER_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                break
+            time.sleep(2)
+        process.wait()
+    return returncode, out_path.read_text(), err_path.read_text()
+
+
+def run_worker(
+    engine: str, fmt: str, threads: int, shape: str, batches, new_tokens: int, work: Path, args
+) -> dict:
     base = {"engine": engine, "format": fmt, "threads": threads, "shape": shape, "rows": []}
     python = python_for(engine, args)
     if not Path(python).is_file():
@@ -200,27 +246,29 @@ def run_worker(engine: str, fmt: str, threads: int, shape: str, batches, new_tok
     job_file.write_text(json.dumps(job))
     env = dict(os.environ)
     if engine == "paddle_step":
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "python"),
-                                                          env.get("PYTHONPATH")]))  # fmt: skip
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(ROOT / "python"), env.get("PYTHONPATH")])
+        )
     started = time.time()
-    try:
-        completed = subprocess.run(
-            [python, str(HERE / WORKERS[engine]), str(job_file)],
-            capture_output=True, text=True, env=env, timeout=WORKER_TIMEOUT_S, cwd=ROOT,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired:
+    returncode, stdout, stderr = run_in_own_group(
+        [python, str(HERE / WORKERS[engine]), str(job_file)], env, job_file.parent / job_file.stem
+    )
+    if returncode is None:
         return {**base, "skipped": f"worker timed out after {WORKER_TIMEOUT_S} s"}
-    lines = [line for line in completed.stdout.splitlines() if line.startswith("{")]
-    if completed.returncode != 0 or not lines:
-        return {**base, "skipped": f"worker failed (exit {completed.returncode}): "
-                                   f"{completed.stderr[-1500:]}"}  # fmt: skip
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    if returncode != 0 or not lines:
+        return {**base, "skipped": f"worker failed (exit {returncode}): {stderr[-1500:]}"}
     report = json.loads(lines[-1])
     for row in report["rows"]:
         row["tokens_per_s"] = row["B"] * row["new_tokens"] / row["seconds"]
-    log(f"{shape} {engine} {fmt} threads={threads}: "
-        + (", ".join(f"B={r['B']} {r['tokens_per_s']:.1f} tok/s" for r in report["rows"])
-           or f"skipped: {report['skipped']}")
-        + f" ({time.time() - started:.0f} s)")  # fmt: skip
+    log(
+        f"{shape} {engine} {fmt} threads={threads}: "
+        + (
+            ", ".join(f"B={r['B']} {r['tokens_per_s']:.1f} tok/s" for r in report["rows"])
+            or f"skipped: {report['skipped']}"
+        )
+        + f" ({time.time() - started:.0f} s)"
+    )
     return {**base, **report, "shape": shape}
 
 
@@ -293,22 +341,30 @@ def ids_text(entry: dict | None) -> str:
     if not ids:
         return "-"
     text = f"{ids['equal']}/{ids['rows']}"
-    return text + (f" (from {ids['first_divergence']})" if ids["first_divergence"] is not None
-                   else "")  # fmt: skip
+    return text + (
+        f" (from {ids['first_divergence']})" if ids["first_divergence"] is not None else ""
+    )
 
 
 def print_report(report: dict) -> None:
     machine = report["machine"]
-    print(f"CPU: {machine['cpu_model']}, {machine['cores']} cores this process may use, "
-          f"flags {' '.join(machine['flags'])}; load average {machine['loadavg_start']} at "
-          f"start, {machine['loadavg_end']} at end (shared machine: figures move between "
-          "runs, compare engines within one run)")  # fmt: skip
-    print("Read bandwidth (NumPy sum over 512 MiB): "
-          + ", ".join(f"{t} thread(s) {gbs:.1f} GB/s" for t, gbs in
-                      report["read_bandwidth_gbs"].items()))  # fmt: skip
-    print(f"Prompts of {PROMPT_LEN} token ids, greedy, tokens/s = B x new tokens / wall time "
-          "(prefill included). ids = vLLM: rows whose greedy ids equal vLLM's of the same "
-          "dtype (first differing position).")  # fmt: skip
+    print(
+        f"CPU: {machine['cpu_model']}, {machine['cores']} cores this process may use, "
+        f"flags {' '.join(machine['flags'])}; load average {machine['loadavg_start']} at "
+        f"start, {machine['loadavg_end']} at end (shared machine: figures move between "
+        "runs, compare engines within one run)"
+    )
+    print(
+        "Read bandwidth (NumPy sum over 512 MiB): "
+        + ", ".join(
+            f"{t} thread(s) {gbs:.1f} GB/s" for t, gbs in report["read_bandwidth_gbs"].items()
+        )
+    )
+    print(
+        f"Prompts of {PROMPT_LEN} token ids, greedy, tokens/s = B x new tokens / wall time "
+        "(prefill included). ids = vLLM: rows whose greedy ids equal vLLM's of the same "
+        "dtype (first differing position)."
+    )
     for name, engines in (("float32", FLOAT32), ("other weight formats", OTHER_FORMATS)):
         keys = [f"{e} {f}" for e, f in engines]
         lines = [ln for ln in report["table"] if any(k in ln["engines"] for k in keys)]
@@ -317,11 +373,22 @@ def print_report(report: dict) -> None:
         print(f"\n{name}:")
         head = ["shape", "B", "thr", *keys]
         if name == "float32":
-            head += ["ours/vLLM", "ours/llama.cpp", "B=1 ours %BW", "B=1 llama %BW",
-                     "ids=vLLM ours", "ids=vLLM llama"]  # fmt: skip
+            head += [
+                "ours/vLLM",
+                "ours/llama.cpp",
+                "B=1 ours %BW",
+                "B=1 llama %BW",
+                "ids=vLLM ours",
+                "ids=vLLM llama",
+            ]
         else:
-            head += ["bf16 ours/llama", "bf16 ours/vLLM", "int8 ours/Q8_0",
-                     "ids=vLLM ours bf16", "ids=vLLM llama bf16"]  # fmt: skip
+            head += [
+                "bf16 ours/llama",
+                "bf16 ours/vLLM",
+                "int8 ours/Q8_0",
+                "ids=vLLM ours bf16",
+                "ids=vLLM llama bf16",
+            ]
         print("| " + " | ".join(head) + " |")
         print("|" + "---|" * len(head))
         for ln in lines:
@@ -332,12 +399,15 @@ def print_report(report: dict) -> None:
                 cells += [
                     ratio(e, "paddle_step float32", "vllm float32"),
                     ratio(e, "paddle_step float32", "llama.cpp f32"),
-                    *(f"{100 * e[k]['bandwidth_share']:.0f}%"
-                      if "bandwidth_share" in e.get(k, {}) else "-"
-                      for k in ("paddle_step float32", "llama.cpp f32")),
+                    *(
+                        f"{100 * e[k]['bandwidth_share']:.0f}%"
+                        if "bandwidth_share" in e.get(k, {})
+                        else "-"
+                        for k in ("paddle_step float32", "llama.cpp f32")
+                    ),
                     ids_text(e.get("paddle_step float32")),
                     ids_text(e.get("llama.cpp f32")),
-                ]  # fmt: skip
+                ]
             else:
                 cells += [
                     ratio(e, "paddle_step bfloat16", "llama.cpp bf16"),
@@ -351,10 +421,33 @@ def print_report(report: dict) -> None:
     if skipped:
         print("\nskipped:")
         for r in skipped:
-            print(f"  {r['shape']} {r['engine']} {r['format']} threads={r['threads']}: "
-                  f"{r['skipped'].strip().splitlines()[-1][:300]}")  # fmt: skip
+            print(
+                f"  {r['shape']} {r['engine']} {r['format']} threads={r['threads']}: "
+                f"{r['skipped'].strip().splitlines()[-1][:300]}"
+            )
+    if report.get("runs_merged", 1) > 1:
+        print(
+            f"\n(rows of {report['runs_merged']} runs, one after the other; machine figures of "
+            "the first)"
+        )
     versions = sorted({r["version"] for r in report["results"] if r.get("version")})
     print("\nversions: " + "; ".join(versions))
+
+
+def merge_reports(reports: list) -> dict:
+    """One report of the rows of several runs (the machine and bandwidth of the first)."""
+    merged = dict(reports[0])
+    merged["results"] = [r for report in reports for r in report["results"]]
+    runs, threads = {}, set()
+    for report in reports:
+        runs.update(report["config"]["runs"])
+        threads.update(report["config"]["threads"])
+    merged["config"] = {**merged["config"], "runs": runs, "threads": sorted(threads)}
+    merged["runs_merged"] = len(reports)
+    merged["table"] = summarize(
+        merged["results"], merged["read_bandwidth_gbs"], runs, sorted(threads)
+    )
+    return merged
 
 
 # ---------------------------------------------------------------- main
@@ -362,25 +455,40 @@ def print_report(report: dict) -> None:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: h512 in every format, B 1 and 2, 4 new tokens, one thread")  # fmt: skip
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: h512 in every format, B 1 and 2, 4 new tokens, one thread",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--shapes", default=",".join(RUNS))
     parser.add_argument("--engines", default=",".join(WORKERS))
-    parser.add_argument("--formats", default="all",
-                        help="comma-separated formats, or 'all' (float32 and the others)")  # fmt: skip
-    parser.add_argument("--from-json", help="print the tables of an earlier run's JSON report")
+    parser.add_argument(
+        "--formats",
+        default="all",
+        help="comma-separated formats, or 'all' (float32 and the others)",
+    )
+    parser.add_argument(
+        "--from-json",
+        help="print the tables of earlier runs' JSON reports (comma-separated: "
+        "their rows together, the machine figures of the first)",
+    )
     parser.add_argument("--threads", help="comma-separated thread counts (default: 1 and all)")
-    parser.add_argument("--work-dir", default=str(ROOT / ".bench-cpu"),
-                        help="checkpoints, GGUFs, job files and the JSON report")  # fmt: skip
+    parser.add_argument(
+        "--work-dir",
+        default=str(ROOT / ".bench-cpu"),
+        help="checkpoints, GGUFs, job files and the JSON report",
+    )
     parser.add_argument("--ours-python", default=sys.executable)
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
-    parser.add_argument("--llamacpp-python",
-                        default=str(ROOT / ".venv-llamacpp" / "bin" / "python"))  # fmt: skip
-    parser.add_argument("--llama-cpp-dir",
-                        default=str(ROOT / ".bench-cpu" / "sdist" / LLAMA_CPP_SDIST / "vendor"
-                                    / "llama.cpp"),
-                        help="the llama.cpp tree of the llama-cpp-python sdist (its converter)")
+    parser.add_argument(
+        "--llamacpp-python", default=str(ROOT / ".venv-llamacpp" / "bin" / "python")
+    )
+    parser.add_argument(
+        "--llama-cpp-dir",
+        default=str(ROOT / ".bench-cpu" / "sdist" / LLAMA_CPP_SDIST / "vendor" / "llama.cpp"),
+        help="the llama.cpp tree of the llama-cpp-python sdist (its converter)",
+    )
     args = parser.parse_args(argv)
     args.shapes = tuple(args.shapes.split(","))
     unknown = set(args.shapes) - set(RUNS)
@@ -393,8 +501,10 @@ def parse_args(argv=None):
     known_formats = {f for _, f in FLOAT32 + OTHER_FORMATS}
     args.formats = known_formats if args.formats == "all" else set(args.formats.split(","))
     if args.formats - known_formats:
-        parser.error(f"--formats: unknown {sorted(args.formats - known_formats)}, "
-                     f"expected some of {sorted(known_formats)}")  # fmt: skip
+        parser.error(
+            f"--formats: unknown {sorted(args.formats - known_formats)}, "
+            f"expected some of {sorted(known_formats)}"
+        )
     cores = len(os.sched_getaffinity(0))
     if args.threads:
         args.threads = tuple(int(t) for t in args.threads.split(","))
@@ -406,8 +516,8 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.from_json:
-        report = json.loads(Path(args.from_json).read_text())
-        print_report(report)
+        report = merge_reports([json.loads(Path(p).read_text()) for p in args.from_json.split(",")])
+        print(json.dumps(report)) if args.json else print_report(report)
         return report
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -428,8 +538,13 @@ def main(argv=None) -> dict:
         "benchmark": "bench_cpu",
         "machine": machine,
         "read_bandwidth_gbs": bandwidth,
-        "config": {"prompt_len": PROMPT_LEN, "runs": runs, "threads": list(args.threads),
-                   "warmup_tokens": WARMUP_TOKENS, "seed": SEED},  # fmt: skip
+        "config": {
+            "prompt_len": PROMPT_LEN,
+            "runs": runs,
+            "threads": list(args.threads),
+            "warmup_tokens": WARMUP_TOKENS,
+            "seed": SEED,
+        },
         "results": [],
     }
 
@@ -445,8 +560,11 @@ def main(argv=None) -> dict:
         pairs = [(e, f) for e, f in pairs if e in args.engines and f in args.formats]
         for threads in args.threads:
             for engine, fmt in pairs:
-                report["results"].append(run_worker(engine, fmt, threads, shape, run["batches"],
-                                                    run["new_tokens"], work, args))  # fmt: skip
+                report["results"].append(
+                    run_worker(
+                        engine, fmt, threads, shape, run["batches"], run["new_tokens"], work, args
+                    )
+                )
                 save()
     if args.json:
         print(json.dumps(report))

@@ -28,8 +28,16 @@ GGML_TYPE_F32 = 0
 class BatchedGreedy:
     """A llama.cpp context for ``batch`` sequences of up to ``max_len`` tokens."""
 
-    def __init__(self, model, vocab_size: int, batch: int, max_len: int, prompt_len: int,
-                 threads: int, f32_cache: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model,
+        vocab_size: int,
+        batch: int,
+        max_len: int,
+        prompt_len: int,
+        threads: int,
+        f32_cache: bool,
+    ) -> None:
         params = lib.llama_context_default_params()
         params.n_ctx = batch * max_len
         params.n_batch = batch * prompt_len
@@ -50,8 +58,9 @@ class BatchedGreedy:
         lib.llama_batch_free(self.llama_batch)
         lib.llama_free(self.ctx)
 
-    def _decode(self, tokens: list[int], positions: list[int], seqs: list[int],
-                outputs: list[bool]) -> None:  # fmt: skip
+    def _decode(
+        self, tokens: list[int], positions: list[int], seqs: list[int], outputs: list[bool]
+    ) -> None:
         batch = self.llama_batch
         for i, (token, pos, seq, out) in enumerate(zip(tokens, positions, seqs, outputs)):
             batch.token[i] = token
@@ -120,9 +129,14 @@ def main() -> None:
         prompts = run["prompts"]
         max_len = max(map(len, prompts)) + run["new_tokens"]
         runner = BatchedGreedy(
-            model, vocab_size, len(prompts), max_len, max(map(len, prompts)), job["threads"],
+            model,
+            vocab_size,
+            len(prompts),
+            max_len,
+            max(map(len, prompts)),
+            job["threads"],
             f32_cache=job["format"] == "f32",
-        )  # fmt: skip
+        )
         try:
             runner.generate(prompts, job["warmup_tokens"])  # warm-up
             start = time.perf_counter()
@@ -130,8 +144,14 @@ def main() -> None:
             seconds = time.perf_counter() - start
         finally:
             runner.close()
-        report["rows"].append({"B": len(prompts), "new_tokens": run["new_tokens"],
-                               "seconds": seconds, "token_ids": token_ids})  # fmt: skip
+        report["rows"].append(
+            {
+                "B": len(prompts),
+                "new_tokens": run["new_tokens"],
+                "seconds": seconds,
+                "token_ids": token_ids,
+            }
+        )
         print(f"  llama.cpp {job['format']} B={len(prompts)}: {seconds:.1f} s", file=sys.stderr)
     lib.llama_model_free(model)
     print(json.dumps(report))

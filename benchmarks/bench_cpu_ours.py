@@ -93,10 +93,13 @@ def main() -> None:
         for run in job["runs"]:
             generate(model, run["prompts"], job["warmup_tokens"], job["threads"])  # warm-up
             result = generate(model, run["prompts"], run["new_tokens"], job["threads"])
-            report["rows"].append({"B": len(run["prompts"]), "new_tokens": run["new_tokens"],
-                                   **result})  # fmt: skip
-            print(f"  paddle_step {job['format']} B={len(run['prompts'])}: "
-                  f"{result['seconds']:.1f} s", file=sys.stderr)  # fmt: skip
+            report["rows"].append(
+                {"B": len(run["prompts"]), "new_tokens": run["new_tokens"], **result}
+            )
+            print(
+                f"  paddle_step {job['format']} B={len(run['prompts'])}: {result['seconds']:.1f} s",
+                file=sys.stderr,
+            )
     print(json.dumps(report))
 
 

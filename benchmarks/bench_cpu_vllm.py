@@ -65,19 +65,18 @@ def main() -> None:
             detokenize=False,
         )
         start = time.perf_counter()
-        outputs = llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
-        )
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         seconds = time.perf_counter() - start
         return {"seconds": seconds, "token_ids": [list(o.outputs[0].token_ids) for o in outputs]}
 
     for run in runs:
         generate(run["prompts"], job["warmup_tokens"])  # warm-up
         result = generate(run["prompts"], run["new_tokens"])
-        report["rows"].append({"B": len(run["prompts"]), "new_tokens": run["new_tokens"],
-                               **result})  # fmt: skip
-        print(f"  vllm {job['format']} B={len(run['prompts'])}: {result['seconds']:.1f} s",
-              file=sys.stderr)  # fmt: skip
+        report["rows"].append({"B": len(run["prompts"]), "new_tokens": run["new_tokens"], **result})
+        print(
+            f"  vllm {job['format']} B={len(run['prompts'])}: {result['seconds']:.1f} s",
+            file=sys.stderr,
+        )
     print(json.dumps(report), flush=True)
     # vLLM's engine process can keep the interpreter alive past main: leave at once.
     sys.stdout.flush()

@@ -23,7 +23,7 @@ import httpx
 import numpy as np
 
 from paddle_step.engine.arg_utils import add_engine_arguments, build_engine, check_engine_arguments
-from paddle_step.testing.server_process import server_process
+from paddle_step.testing.server_process import metric, server_process
 
 PROMPT_STARTS = [
     "The for statement",
@@ -117,12 +117,8 @@ async def one_request(
     }
 
 
-async def step_seconds(client: httpx.AsyncClient, url: str) -> float:
-    """The server's ``paddle_step_engine_step_seconds_total``: time inside engine steps."""
-    for line in (await client.get(f"{url}/metrics")).text.splitlines():
-        if line.startswith("paddle_step_engine_step_seconds_total "):
-            return float(line.split()[1])
-    raise RuntimeError(f"{url}/metrics has no paddle_step_engine_step_seconds_total")
+# The server's time inside engine steps, read before and after a run (outside its timing).
+STEP_SECONDS = "paddle_step_engine_step_seconds_total"
 
 
 async def run_at(
@@ -136,11 +132,11 @@ async def run_at(
             async with gate:
                 return await one_request(client, url, model, prompt, max_tokens)
 
-        busy_before = await step_seconds(client, url)
+        busy_before = metric(url, STEP_SECONDS)
         started = time.perf_counter()
         results = await asyncio.gather(*(gated(prompt) for prompt in prompts))
         elapsed = time.perf_counter() - started
-        busy = await step_seconds(client, url) - busy_before
+        busy = metric(url, STEP_SECONDS) - busy_before
     ttft = np.array([r["ttft"] for r in results]) * 1e3
     gaps = np.array([gap for r in results for gap in r["gaps"]]) * 1e3
     tokens = sum(r["tokens"] for r in results)

@@ -2,7 +2,7 @@
 """Write a random-weight Hugging Face Llama or Qwen2 checkpoint: nothing is downloaded.
 
 The folder gets ``config.json``, ``model.safetensors`` (float32 or bfloat16), a byte-level
-BPE ``tokenizer.json`` (``<s>``, ``</s>`` and the 256 bytes, no merges) and its
+BPE ``tokenizer.json`` (``<s>``, ``</s>``, the 256 bytes and four merges) and its
 ``tokenizer_config.json``. vLLM, llama.cpp's ``convert_hf_to_gguf.py`` and
 ``paddle_step.model_loader.load_checkpoint`` all read it. The benchmarks feed token ids, so
 the tokenizer only has to exist; the vocabulary (the embedding's rows) is the shape's.
@@ -60,6 +60,8 @@ DTYPES = ("float32", "bfloat16")
 SAFETENSORS_DTYPE = {"float32": "F32", "bfloat16": "BF16"}
 BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2}
 SPECIAL_TOKENS = ("<s>", "</s>")
+# A few merges (" t", "he", "in", " the"): llama.cpp refuses a BPE vocabulary without any.
+MERGES = (("Ġ", "t"), ("h", "e"), ("i", "n"), ("Ġt", "he"))
 
 
 def tensor_specs(shape: dict, arch: str) -> list[tuple[str, tuple[int, ...], str]]:
@@ -149,6 +151,8 @@ def tokenizer_json() -> dict:
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
     for char in byte_level_alphabet():
         vocab[char] = len(vocab)
+    for left, right in MERGES:
+        vocab[left + right] = len(vocab)
     byte_level = {"add_prefix_space": False, "trim_offsets": True, "use_regex": True}
     return {
         "version": "1.0",
@@ -180,7 +184,7 @@ def tokenizer_json() -> dict:
             "byte_fallback": False,
             "ignore_merges": False,
             "vocab": vocab,
-            "merges": [],
+            "merges": [list(pair) for pair in MERGES],
         },
     }
 
@@ -246,8 +250,10 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     write_checkpoint(args.out_dir, args.shape, args.arch, args.dtype, args.seed)
-    print(f"wrote {args.out_dir} ({args.shape}, {args.arch}, {args.dtype}, seed {args.seed})",
-          file=sys.stderr)
+    print(
+        f"wrote {args.out_dir} ({args.shape}, {args.arch}, {args.dtype}, seed {args.seed})",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

@@ -5,13 +5,16 @@
 // The module name must match the op library's name (setup_ops.py): Paddle's
 // generated loader imports the library as a Python extension module of that
 // name, which is what exposes these functions.
+#include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "cpu_linear_ops.h"
 #include "paddle/utils/pybind.h"
 #include "paddle_step_ops.h"
+#include "step_paddle_tensors.h"
 
 namespace {
 
@@ -32,6 +35,26 @@ std::vector<paddle_step::TensorView> ToViews(const Described& described) {
                      static_cast<int64_t>(shape.size())});
   }
   return views;
+}
+
+template <typename T>
+constexpr const char* DTypeName() {
+  if constexpr (std::is_same_v<T, bool>) return "bool";
+  if constexpr (std::is_same_v<T, int32_t>) return "int32";
+  if constexpr (std::is_same_v<T, int64_t>) return "int64";
+}
+
+// step_paddle_tensors.h as (name, dtype, shape kind, written) rows, so that a
+// test can hold the C++ table against spec/tensor_table.py.
+pybind11::list StepPaddleTensorTable() {
+  pybind11::list table;
+#define PADDLE_STEP_ROW(name, type, shape, access)                        \
+  table.append(pybind11::make_tuple(                                      \
+      #name, DTypeName<type>(), #shape,                                   \
+      paddle_step::Access::access == paddle_step::Access::kWritten));
+  PADDLE_STEP_STEP_PADDLE_TENSORS(PADDLE_STEP_ROW)
+#undef PADDLE_STEP_ROW
+  return table;
 }
 
 }  // namespace
@@ -60,6 +83,7 @@ PYBIND11_MODULE(paddle_step_ops, module) {
       pybind11::arg("active"), pybind11::arg("num_seqs"),
       pybind11::arg("num_queries"), pybind11::arg("block_size"));
   module.def("step_paddle", &paddle_step::StepPaddle);
+  module.def("step_paddle_tensor_table", &StepPaddleTensorTable);
   module.def(
       "check_advance_step", [](const Described& described, int64_t num_seqs,
                                int64_t num_queries, int64_t block_size) {

@@ -119,6 +119,13 @@ class EngineConfig:
             ``enc_dec_block_num``).
         threads: CPU threads for the model's math; None: the cores this process may run
             on, divided among the tensor-parallel ranks.
+        enable_prefix_caching: reuse the K/V of full prompt blocks an earlier prompt with
+            the same leading tokens computed (``engine.prefix_cache``); a request then
+            prefills only the rest of its prompt.
+        max_num_batched_tokens: the most tokens one step runs (None: no limit). Decode
+            rows come first, one token each; the rest of the budget goes to prompts, a
+            long one continuing over several steps (chunked prefill). At least
+            ``max_batch``, so every decoding slot runs every step.
 
     Prompts and decoding draw on separate block regions: a prompt is admitted only when
     the prompt region (``1 - decoder_pool_ratio`` of the blocks) has room for it, so a
@@ -133,6 +140,8 @@ class EngineConfig:
     decoder_pool_ratio: float = 0.5
     enc_dec_block_num: int = 1
     threads: int | None = None
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_model_len", "block_size", "num_kv_blocks"):
@@ -144,6 +153,19 @@ class EngineConfig:
         ):
             raise ValueError(
                 f"EngineConfig.threads: expected None or an int >= 1, got {self.threads!r}"
+            )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                "EngineConfig.enable_prefix_caching: expected a bool, "
+                f"got {self.enable_prefix_caching!r}"
+            )
+        budget = self.max_num_batched_tokens
+        if budget is not None and (
+            not isinstance(budget, int) or isinstance(budget, bool) or budget < self.max_batch
+        ):
+            raise ValueError(
+                "EngineConfig.max_num_batched_tokens: expected None or an int >= max_batch "
+                f"({self.max_batch}, one token per decoding slot), got {budget!r}"
             )
         if not isinstance(self.enc_dec_block_num, int) or self.enc_dec_block_num < 0:
             raise ValueError(

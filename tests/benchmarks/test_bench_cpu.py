@@ -72,15 +72,29 @@ def test_ids_against_vllm_counts_equal_rows_and_the_first_divergence():
 
 def test_quick_run_of_our_engine(tmp_path):
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "python"),
-                                                      env.get("PYTHONPATH")]))  # fmt: skip
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "python"), env.get("PYTHONPATH")]))
     missing = str(tmp_path / "no-such-venv" / "python")
     completed = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_cpu.py"), "--quick", "--json",
-         "--formats", "float32,f32", "--work-dir", str(tmp_path / "work"),
-         "--vllm-python", missing, "--llamacpp-python", missing],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_cpu.py"),
+            "--quick",
+            "--json",
+            "--formats",
+            "float32,f32",
+            "--work-dir",
+            str(tmp_path / "work"),
+            "--vllm-python",
+            missing,
+            "--llamacpp-python",
+            missing,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     report = json.loads(completed.stdout.strip().splitlines()[-1])
     assert report["read_bandwidth_gbs"]["1"] > 0

@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_json(script: str, *extra: str) -> dict:
+def run_json(script: str, *extra: str, timeout: float = 120) -> dict:
     env = dict(os.environ)
     paths = [str(ROOT / "tests"), str(ROOT / "python")]
     if env.get("PYTHONPATH"):
@@ -21,7 +21,7 @@ def run_json(script: str, *extra: str) -> dict:
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     lines = [line for line in completed.stdout.splitlines() if line.strip()]
@@ -49,9 +49,33 @@ def test_bench_ops_quick_json(tmp_path):
         assert row["floor"]["floor"]["median_us"] > 0
     batches = set(report["config"]["batches"])
     assert seen == {(op, b) for op in ("advance_step", "step_paddle") for b in batches}
-    assert {t["target"].split(":")[0] for t in report["targets"]}  # B=256 is in --quick
+    # B=256 is in --quick: the four targets at that size are checked, each against the
+    # results it names.
+    assert {(t["op"], t["B"], t["baseline"]) for t in report["targets"]} >= {
+        ("advance_step", 256, "vectorized"),
+        ("advance_step", 256, "floor"),
+        ("step_paddle", 256, "reference"),
+        ("step_paddle", 256, "floor"),
+    }
     for target in report["targets"]:
-        assert isinstance(target["met"], bool)
+        rows = [r for r in report["results"] if (r["op"], r["B"]) == (target["op"], target["B"])]
+        assert set(target["scenarios"]) == {row["scenario"] for row in rows}, target["target"]
+        for row in rows:
+            op_us = row["impls"]["op"]["median_us"]
+            if target["baseline"] == "floor":
+                base_us = row["floor"]["floor"]["median_us"]
+            else:
+                base_us = row["impls"][target["baseline"]]["median_us"]
+            value = base_us / op_us if target["kind"] == "speedup" else op_us / base_us
+            scenario = target["scenarios"][row["scenario"]]
+            assert scenario["value"] == round(value, 2), target["target"]
+            bound_met = (
+                value >= target["bound"]
+                if target["kind"] == "speedup"
+                else (value <= target["bound"])
+            )
+            assert scenario["met"] is bound_met, target["target"]
+        assert target["met"] is all(s["met"] for s in target["scenarios"].values())
     assert plot.stat().st_size > 1000
 
 
@@ -92,3 +116,28 @@ def test_bench_cpu_linear_quick_json():
         for product in ("mlp_up", "layer", "lm_head")
         for rows in (1, 8, 32)
     }
+
+
+def test_soak_serve_quick_json():
+    """200 streaming requests from 32 clients, 20% closed mid-stream: none fails, and no
+    request or KV block is held once every client has left."""
+    report = run_json("soak_serve.py", timeout=300)
+    outcomes = report["outcomes"]
+    assert outcomes.get("errors", 0) == 0, outcomes
+    assert outcomes["done"] + outcomes["cancelled"] == report["config"]["requests"] == 200
+    assert 20 <= outcomes["cancelled"] <= 80  # 20% of 200, drawn
+    assert report["pools_full"], report["held_at_end"]
+    samples = report["rss_mib"]
+    assert [s["requests"] for s in samples] == list(range(50, 201, 15))
+    assert all(s["server"] > 0 and s["engine"] > 0 for s in samples)
+
+
+def test_bench_prefix_quick_json():
+    report = run_json("bench_prefix.py")
+    shared, long_case = report["shared_prefix"], report["long_prompt"]
+    assert shared["on"]["prompt_tokens_hit"] > 0 and shared["off"]["prompt_tokens_hit"] == 0
+    for run in (shared["on"], shared["off"]):
+        assert 0 < run["ttft_p50_ms"] <= run["ttft_p99_ms"] and run["output_tokens_per_s"] > 0
+    for run in (long_case["whole"], long_case["chunked"]):
+        assert 0 < run["itl_p50_ms"] <= run["itl_p99_ms"] and run["long_prompt_ttft_ms"] > 0
+    assert shared["ttft_p50_ratio"] > 0 and long_case["itl_p99_ratio"] > 0

@@ -101,8 +101,10 @@ def test_our_loader_reads_it(tmp_path, arch):
         shape["num_hidden_layers"],
         shape["vocab_size"],
     )
-    assert loaded.tokenizer.vocab_size == 2 + 256
-    assert loaded.tokenizer.decode(loaded.tokenizer.encode("héllo")) == "héllo"
+    assert loaded.tokenizer.vocab_size == 2 + 256 + len(SCRIPT.MERGES)
+    ids = loaded.tokenizer.encode("héllo the")
+    assert ids[-1] == 2 + 256 + 3  # " the", the last merge
+    assert loaded.tokenizer.decode(ids) == "héllo the"
 
 
 def test_unknown_shape_names_the_argument(tmp_path):

@@ -8,7 +8,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from paddle_step.distributed.tensor_parallel import shard_config, shard_weights
 from paddle_step.engine.arg_utils import build_engine
 from paddle_step.entrypoints.openai.cli import parse_args as serve_parse_args
 from paddle_step.model_loader.loader import load_checkpoint
+from paddle_step.testing.server_process import free_port, metric, wait_for_health
 
 REPO = Path(__file__).resolve().parents[2]
 CHECKPOINTS = REPO / "tests" / "data" / "hf-tiny"
@@ -50,12 +50,6 @@ def tp1_token_ids(*args: str) -> list[list[int]]:
     _, results, stats = generate.run(generate.parse_args(list(args)))
     assert stats.preemptions > 0, stats
     return [result.token_ids for result in results]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch(script: Path, *args: str, log_dir: Path) -> subprocess.CompletedProcess:
@@ -117,9 +111,25 @@ def test_tp2_sampling_equals_tp1(tmp_path):
     assert [r["token_ids"] for r in result["requests"]] == tp1_token_ids(*args)
 
 
+def test_tp2_prefix_caching_and_chunked_prefill_equal_tp1(tmp_path):
+    """Both features on (prompts sharing a prefix, 24 tokens a step) under preemption: the
+    ranks keep identical schedules and give the plain engine's tokens."""
+    shared = ("--prompt", "The for statement iterates over the items", "--prompt",
+              "The for statement iterates over a range", "--prompt",
+              "The for statement iterates over the items of a list")  # fmt: skip
+    args = ("--model", str(CHECKPOINTS / "llama-tiny"), *TIGHT, *shared, "--max-new-tokens", "19")
+    result = launch_generate(tmp_path, *args, "--max-num-batched-tokens", "24")
+    stats = result["stats"]
+    assert stats["preemptions"] > 0 and stats["prompt_tokens_hit"] > 0
+    plain = tp1_token_ids(*args, "--no-enable-prefix-caching")
+    assert [r["token_ids"] for r in result["requests"]] == plain
+
+
 def test_check_ranks_names_the_tensor_that_diverged(tmp_path):
     args = ("--model", str(CHECKPOINTS / "llama-tiny"), *TIGHT, "--check-ranks")
-    completed = launch(REPO / "tests" / "distributed" / "tp_diverge.py", *args, log_dir=tmp_path / "log")
+    completed = launch(
+        REPO / "tests" / "distributed" / "tp_diverge.py", *args, log_dir=tmp_path / "log"
+    )
     assert completed.returncode != 0
     message = (
         "--check-ranks: after step 3: tensor 'free_list' differs between rank 0 and rank(s) [1]"
@@ -202,7 +212,7 @@ def test_server_with_tp2_serves_tp1_text_and_frees_everything(tmp_path):
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_for_health(url, process)
+        wait_for_health(url, process, LAUNCH_TIMEOUT_S)
         prompts = ["Hello there", "The engine", "a b c d e f", "paged attention", "x"]
         engine, loaded = build_engine(serve_parse_args(flags))
         ids = [loaded.tokenizer.encode(prompt) for prompt in prompts]
@@ -236,19 +246,6 @@ def test_server_with_tp2_serves_tp1_text_and_frees_everything(tmp_path):
             process.wait(10)
 
 
-def wait_for_health(url: str, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    while True:
-        assert process.poll() is None, "the launcher exited"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"no /health answer in {LAUNCH_TIMEOUT_S} s"
-        time.sleep(0.5)
-
-
 def complete(url: str, prompt: str) -> str:
     body = {"model": "llama-tiny", "prompt": prompt, "max_tokens": 20, "temperature": 0,
             "ignore_eos": True}  # fmt: skip
@@ -265,10 +262,3 @@ def stream_and_close(url: str, prompt: str) -> None:
         for count, _line in enumerate(line for line in response.iter_lines() if line):
             if count >= 2:
                 return
-
-
-def metric(url: str, name: str) -> float:
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"metric {name} not found")

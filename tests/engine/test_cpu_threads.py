@@ -50,11 +50,12 @@ def test_threads_flag_reaches_the_engine_config() -> None:
 
 def test_waiting_for_prompt_blocks_with_free_slots_is_logged_once(caplog) -> None:
     # 4 slots, a prompt region of 6 blocks: two 5-token prompts (3 blocks each with the
-    # extra decode block) fill it, the third waits although two slots are free.
+    # extra decode block; distinct, so the prefix cache shares none) fill it, the third
+    # waits although two slots are free.
     config = EngineConfig(max_batch=4, max_model_len=16, block_size=4, num_kv_blocks=12)
     engine = Engine(LlamaForCausalLM(ModelConfig()), config)
     with caplog.at_level(logging.WARNING, logger="paddle_step.engine.scheduler"):
-        engine.generate([[1] * 5] * 4, 2, eos_token_id=[])
+        engine.generate([[token] * 5 for token in (1, 2, 3, 4)], 2, eos_token_id=[])
     waits = [r for r in caplog.records if "waits for" in r.getMessage()]
     assert len(waits) == 1
     assert "5-token prompt waits for 3 prompt blocks" in waits[0].getMessage()

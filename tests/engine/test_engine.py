@@ -9,21 +9,16 @@ import pytest
 from paddle_step.config import EngineConfig, ModelConfig
 from paddle_step.engine.block_allocator import EncoderBlockAllocator
 from paddle_step.engine.llm_engine import Engine
-from paddle_step.engine.naive import generate_naive
 from paddle_step.engine.slot_state import ShareInputs
 from paddle_step.layers.sampler import sample_tokens
 from paddle_step.models.llama import LlamaForCausalLM
 from paddle_step.spec.check_state import check_state
+from paddle_step.testing.greedy import greedy_reference
 
 
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
     return LlamaForCausalLM(ModelConfig(dtype="float64", seed=11))
-
-
-def greedy_reference(model: LlamaForCausalLM, prompts, max_new_tokens) -> list[list[int]]:
-    results, _ = generate_naive(model, prompts, max_new_tokens)
-    return [result.token_ids for result in results]
 
 
 def assert_blocks_conserved(engine: Engine) -> None:
@@ -368,9 +363,13 @@ def test_abort_frees_slot_and_blocks(model: LlamaForCausalLM, when: str) -> None
     while engine.has_unfinished():
         results.update((r.request_id, r) for r in engine.step())
         assert_blocks_conserved(engine)
-    assert results.get(victim) is None or results[victim].finish_reason == "abort"
     if when == "waiting":
-        assert victim not in results
+        assert victim not in results  # it just left the queue
+    else:  # retired like any finished request, its tokens so far those of a full decode
+        assert results[victim].finish_reason == "abort"
+        tokens = results[victim].token_ids
+        assert len(tokens) < 20
+        assert greedy_reference(model, [prompts[ids.index(victim)]], 20)[0][: len(tokens)] == tokens
     others = [request_id for request_id in ids if request_id != victim]
     expected = greedy_reference(model, [prompts[ids.index(i)] for i in others], 20)
     assert [results[i].token_ids for i in others] == expected

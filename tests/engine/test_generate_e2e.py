@@ -16,6 +16,7 @@ from paddle_step.config import EngineConfig, ModelConfig
 from paddle_step.engine.llm_engine import Engine
 from paddle_step.engine.naive import generate_naive
 from paddle_step.models.llama import LlamaForCausalLM
+from paddle_step.testing.greedy import greedy_reference
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_REQUESTS = 18
@@ -38,9 +39,8 @@ def workload() -> tuple[list[list[int]], list[int]]:
 
 
 @pytest.fixture(scope="module")
-def greedy_reference(model, workload) -> list[list[int]]:
-    results, _ = generate_naive(model, *workload)
-    return [result.token_ids for result in results]
+def greedy_tokens(model, workload) -> list[list[int]]:
+    return greedy_reference(model, *workload)
 
 
 def engine_config(num_kv_blocks: int, decoder_pool_ratio: float) -> EngineConfig:
@@ -59,23 +59,23 @@ TIGHT = dict(num_kv_blocks=70, decoder_pool_ratio=0.2)
 GENEROUS = dict(num_kv_blocks=2 * 8 * MAX_MODEL_LEN // BLOCK_SIZE, decoder_pool_ratio=0.5)
 
 
-def test_tight_budget_preempts_recovers_and_matches_naive(model, workload, greedy_reference):
+def test_tight_budget_preempts_recovers_and_matches_naive(model, workload, greedy_tokens):
     engine = Engine(model, engine_config(**TIGHT), check_state=True)
     results = engine.generate(*workload)
     stats = engine.stats
     assert stats.preemptions > 0 and stats.recoveries > 0, stats
-    assert [result.token_ids for result in results] == greedy_reference
+    assert [result.token_ids for result in results] == greedy_tokens
     assert [result.prompt_ids for result in results] == workload[0]
     assert all(result.finish_reason == "length" for result in results)
     assert stats.generated_tokens == sum(workload[1])
     assert stats.peak_blocks_in_use <= TIGHT["num_kv_blocks"]
 
 
-def test_generous_budget_never_preempts_and_matches_naive(model, workload, greedy_reference):
+def test_generous_budget_never_preempts_and_matches_naive(model, workload, greedy_tokens):
     engine = Engine(model, engine_config(**GENEROUS))
     results = engine.generate(*workload)
     assert (engine.stats.preemptions, engine.stats.recoveries) == (0, 0)
-    assert [result.token_ids for result in results] == greedy_reference
+    assert [result.token_ids for result in results] == greedy_tokens
     # Prefills and decodes share steps: far fewer steps than requests x tokens.
     assert engine.stats.steps < sum(workload[1]) / 2
 
@@ -146,11 +146,19 @@ def test_example_json_matches_naive_json():
     ]
 
 
-def test_example_runs_without_tqdm():
-    # tqdm is optional: without it the example says so in one line and runs on.
+# Neither importing paddle_step nor the example may need these (the progress bar, the
+# benchmarks' plot, the serving stack, the test client; httpx is paddle 3's own dependency).
+OPTIONAL_PACKAGES = (
+    "tqdm", "matplotlib", "fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic",
+    "openai", "hypothesis", "pytest",
+)  # fmt: skip
+
+
+def test_example_runs_without_optional_packages():
+    # Without tqdm the example says so in one line and runs on.
     script = REPO / "examples" / "generate.py"
     code = (
-        "import runpy, sys; sys.modules['tqdm'] = None; "
+        f"import runpy, sys; sys.modules.update(dict.fromkeys({OPTIONAL_PACKAGES!r})); "
         f"sys.argv = [{str(script)!r}, '--max-new-tokens', '4', '--json']; "
         f"runpy.run_path({str(script)!r}, run_name='__main__')"
     )

@@ -235,13 +235,14 @@ def test_switch_rejects_other_values(monkeypatch) -> None:
 def test_flag_is_left_as_found(user_setting: bool) -> None:
     model = LlamaForCausalLM(PLAIN)
     args = block_arguments(model, 8, np.random.default_rng(0))["logits"]
+    saved = paddle.get_flags(["FLAGS_use_mkldnn"])["FLAGS_use_mkldnn"]
     paddle.set_flags({"FLAGS_use_mkldnn": user_setting})
     try:
         with paddle.no_grad():
             model.blocks.logits.run("compiled", *args)
         assert paddle.get_flags(["FLAGS_use_mkldnn"])["FLAGS_use_mkldnn"] is user_setting
     finally:
-        paddle.set_flags({"FLAGS_use_mkldnn": False})
+        paddle.set_flags({"FLAGS_use_mkldnn": saved})
 
 
 @needs_onednn

@@ -240,6 +240,19 @@ def test_preempted_slot_that_is_not_stopped():
     assert "slot 1 is preempted (is_block_step) but stop_flags is false" in violations(state)
 
 
+@pytest.mark.parametrize("after_step", [True, False])
+def test_preempted_slot_with_decoded_positions(after_step):
+    """SPEC's preemption zeroes seq_lens_decoder; a preempted slot with cached positions
+    is a state it never leaves, before or after a call."""
+    state = valid_state()
+    state["seq_lens_decoder"][1] = 7
+    with pytest.raises(StateError) as caught:
+        check_state(state, BLOCK_SIZE, after_step=after_step)
+    assert caught.value.violations == [
+        "slot 1 is preempted (is_block_step) but seq_lens_decoder is 7, expected 0"
+    ]
+
+
 def test_negative_length_field():
     state = valid_state()
     state["used_list_len"][2] = -1

@@ -83,6 +83,21 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="share of the KV blocks that form the decoder pool; the rest hold prompts",
     )
     group.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the K/V of full prompt blocks that an earlier prompt with the same "
+        "leading tokens computed (default: on)",
+    )
+    group.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="the most tokens one step runs: decode rows first, the rest to prompts, a long "
+        "one continuing over several steps (chunked prefill); at least --max-batch "
+        "(default: no limit, a prompt runs whole)",
+    )
+    group.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -126,6 +141,12 @@ def check_engine_arguments(parser: argparse.ArgumentParser, args: argparse.Names
         value = getattr(args, name)
         if value is not None and value <= 0:
             parser.error(f"--{name.replace('_', '-')}: expected > 0, got {value}")
+    budget = args.max_num_batched_tokens
+    if budget is not None and budget < args.max_batch:
+        parser.error(
+            f"--max-num-batched-tokens: expected at least --max-batch ({args.max_batch}, one "
+            f"token per decoding slot), got {budget}"
+        )
 
 
 def load_model(args: argparse.Namespace) -> LoadedModel:
@@ -219,6 +240,8 @@ def engine_config(args: argparse.Namespace, context_len: int) -> EngineConfig:
         num_kv_blocks=kv_blocks,
         decoder_pool_ratio=ratio,
         threads=args.threads or default_threads(args.tp),
+        enable_prefix_caching=args.enable_prefix_caching,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
 
 

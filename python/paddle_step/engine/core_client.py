@@ -1,14 +1,15 @@
-"""The engine in a process of its own, and how HTTP handlers talk to it.
+"""The server's side of the engine process (``core_proc``): how HTTP handlers talk to it.
 
 The engine steps in a child process (as vLLM's engine core does), so its Python work
 and the server's (HTTP, JSON, detokenizing) run on two cores instead of taking turns at
 one interpreter lock. Handlers never touch the engine: they post commands (add a
 request, abort one) down a pipe and read their request's events from an
-``asyncio.Queue``. The child applies the commands between steps, steps while anything
-is waiting or running and sleeps on the pipe otherwise; after each step it sends that
-step's tokens and finishes, with the counters ``/metrics`` shows, in one message. A
-request arriving mid-generation joins the very next step (continuous batching), and an
-abort takes effect before the next step, through the engine's own free path.
+``asyncio.Queue``. A reader thread receives each step's tokens and finishes, with the
+counters ``/metrics`` shows, in one message, and wakes each handler's event loop once.
+
+The reader also watches the process itself, so an engine that is killed, crashes, exits
+or raises is noticed at once: every request in flight gets an error event, and new ones
+are refused (``EngineUnavailable``) from then on.
 """
 
 from __future__ import annotations
@@ -21,8 +22,20 @@ import multiprocessing
 import signal
 import threading
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_for_ready
 
-__all__ = ["EngineLoop", "RequestHandle", "SamplingParams"]
+from .core_messages import (
+    AbortRequest,
+    AddRequest,
+    EngineFailed,
+    Ready,
+    SamplingParams,
+    StepOutput,
+    Stop,
+)
+from .core_proc import run_engine
+
+__all__ = ["EngineLoop", "EngineUnavailable", "RequestError", "RequestHandle", "SamplingParams"]
 
 logger = logging.getLogger("paddle_step.serve")
 
@@ -30,23 +43,26 @@ logger = logging.getLogger("paddle_step.serve")
 START_TIMEOUT_S = 600.0
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """What a request asks of the engine, already validated."""
+class EngineUnavailable(Exception):
+    """The engine takes no new request: it has failed, or the server is shutting down."""
 
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False
+
+@dataclass(frozen=True)
+class RequestError:
+    """Why a request ended without finishing. ``unavailable``: the server could not finish
+    it (engine failed, shutdown), otherwise the engine refused the request itself."""
+
+    message: str
+    unavailable: bool = True
 
 
 @dataclass
 class RequestHandle:
     """A submitted request as its HTTP handler sees it.
 
-    Events arrive on ``events``: ``("token", id)`` per generated token, then one of
-    ``("finish", reason)`` or ``("error", message)``.
+    Events arrive on ``events``: ``("cached", n)`` once admitted (n prompt tokens came
+    from the prefix cache), ``("token", id)`` per generated token, then one of
+    ``("finish", reason)`` or ``("error", RequestError)``.
     """
 
     prompt_ids: list[int]
@@ -61,6 +77,7 @@ class EngineLoop:
 
     ``start()`` waits until the model is loaded and fills ``info`` (model name,
     ``max_model_len``, pool sizes); ``stats`` holds the counters of the latest step.
+    ``failed`` is set once the engine can no longer run anything; ``failure`` says why.
     """
 
     def __init__(self, args: argparse.Namespace) -> None:
@@ -68,32 +85,63 @@ class EngineLoop:
         self._commands_in, self._commands_out = context.Pipe(duplex=False)
         self._events_in, self._events_out = context.Pipe(duplex=False)
         self._process = context.Process(
-            target=_run_engine,
+            target=run_engine,
             args=(args, self._commands_in, self._events_out),
             name="paddle_step-engine",
             daemon=True,
         )
-        self.healthy = False
         self.info: dict = {}
         self.stats: dict = {}
+        self.failure: str | None = None
+        self.failed = threading.Event()
+        self._refusal: str | None = "the engine has not started"
+        self._stopping = False
         self._keys = itertools.count()
+        self._lock = threading.Lock()  # guards _refusal and _handles against the reader
         self._send_lock = threading.Lock()
         self._handles: dict[int, tuple[RequestHandle, asyncio.AbstractEventLoop]] = {}
         self._reader = threading.Thread(target=self._read_events, daemon=True)
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    @property
+    def healthy(self) -> bool:
+        """True while new requests are taken (started, not failed, not shutting down)."""
+        return self._refusal is None
+
+    @property
+    def refusal(self) -> str | None:
+        """Why new requests are refused; None while they are taken."""
+        return self._refusal
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._handles)
 
     def start(self) -> None:
         """Starts the child and waits for its model; raises ``RuntimeError`` with the
         child's error if it cannot build the engine."""
         self._process.start()
-        if not self._events_in.poll(START_TIMEOUT_S):
+        # The child holds its ends now. Without our copies, each side's read sees EOF
+        # as soon as the other process is gone, however it went.
+        self._commands_in.close()
+        self._events_out.close()
+        ready = wait_for_ready([self._events_in, self._process.sentinel], START_TIMEOUT_S)
+        if not ready:
             self._process.kill()
             raise RuntimeError(f"the engine process did not start within {START_TIMEOUT_S:.0f} s")
-        kind, payload = self._events_in.recv()
-        if kind != "ready":
+        try:
+            message = self._events_in.recv()
+        except (EOFError, OSError):
             self._process.join(10)
-            raise RuntimeError(f"the engine process failed to start: {payload}")
-        self.info, self.stats = payload
-        self.healthy = True
+            message = EngineFailed(f"it exited ({_exit_status(self._process.exitcode)})")
+        if not isinstance(message, Ready):
+            self._process.join(10)
+            raise RuntimeError(f"the engine process failed to start: {message.message}")
+        self.info, self.stats = message.info, message.stats
+        self._refusal = None
         self._reader.start()
 
     def wait(self) -> None:
@@ -101,27 +149,48 @@ class EngineLoop:
         self._process.join()
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._send(("stop",))
+        """Stops the engine process (killed if it does not exit within ``timeout``)."""
+        self._stopping = True
+        self.refuse_new("the server is shutting down")
+        self._send(Stop())
         self._process.join(timeout)
         if self._process.is_alive():
             self._process.kill()
             self._process.join(timeout)
 
     def submit(self, handle: RequestHandle) -> None:
-        """Queues ``handle``'s request; call from the event loop that reads its events."""
-        handle.key = next(self._keys)
-        self._handles[handle.key] = (handle, asyncio.get_running_loop())
-        params = handle.params
-        eos = [] if params.ignore_eos else None
-        self._send(("add", handle.key, handle.prompt_ids, params.max_new_tokens, eos,
-                    params.temperature, params.top_p, params.seed))  # fmt: skip
+        """Queues ``handle``'s request; call from the event loop that reads its events.
+        Raises ``EngineUnavailable`` once the engine takes no new requests."""
+        with self._lock:
+            if self._refusal is not None:
+                raise EngineUnavailable(self._refusal)
+            handle.key = next(self._keys)
+            self._handles[handle.key] = (handle, asyncio.get_running_loop())
+        self._send(AddRequest(handle.key, handle.prompt_ids, handle.params))
 
     def abort(self, handle: RequestHandle) -> None:
         """Cancels ``handle``'s request (a no-op once it has finished)."""
         if self._handles.pop(handle.key, None) is not None:
-            self._send(("abort", handle.key))
+            self._send(AbortRequest(handle.key))
 
-    def _send(self, command: tuple) -> None:
+    def refuse_new(self, reason: str) -> None:
+        """From now on ``submit`` raises ``EngineUnavailable(reason)``; requests in flight
+        go on."""
+        with self._lock:
+            if self._refusal is None:
+                self._refusal = reason
+
+    def end_all(self, message: str) -> None:
+        """Ends every request in flight with ``RequestError(message)`` and aborts it in
+        the engine (a shutdown that cannot wait any longer)."""
+        with self._lock:
+            ended = list(self._handles)
+        self._deliver_all([(key, ("error", RequestError(message))) for key in ended])
+        for key in ended:
+            if self._handles.pop(key, None) is not None:
+                self._send(AbortRequest(key))
+
+    def _send(self, command) -> None:
         with self._send_lock:
             try:
                 self._commands_out.send(command)
@@ -129,23 +198,48 @@ class EngineLoop:
                 pass
 
     def _read_events(self) -> None:
-        """Hands each step's events to the handlers' event loops, one wake-up per loop."""
+        """Hands each step's events to the handlers' event loops, one wake-up per loop,
+        until the engine process is gone."""
         while True:
+            wait_for_ready([self._events_in, self._process.sentinel])
             try:
-                kind, payload = self._events_in.recv()
+                message = self._events_in.recv()  # what it sent before exiting comes first
             except (EOFError, OSError):
-                kind, payload = "failed", "the engine process exited"
-            if kind == "failed":
-                logger.error("engine failed: %s", payload)
-                self.healthy = False
-                self._deliver_all([(key, ("error", payload)) for key in list(self._handles)])
-                self._handles.clear()
-                return
-            events, self.stats = payload
-            self._deliver_all(events)
-            for key, (event_kind, _value) in events:
-                if event_kind != "token":
-                    self._handles.pop(key, None)
+                message = None
+            if isinstance(message, StepOutput):
+                self._deliver_step(message)
+                continue
+            if isinstance(message, EngineFailed):
+                self._fail(message.message, message.details)
+            elif not self._stopping:  # else it exited because it was told to
+                self._process.join(5)
+                status = _exit_status(self._process.exitcode)
+                self._fail(f"the engine process exited unexpectedly ({status})")
+            return
+
+    def _deliver_step(self, output: StepOutput) -> None:
+        events = [(key, ("cached", cached)) for key, cached in output.cached]
+        events += [(key, ("token", token)) for key, token in output.tokens]
+        events += [(key, ("finish", reason)) for key, reason in output.finished]
+        events += [(key, ("error", RequestError(why, unavailable=False)))
+                   for key, why in output.refused]  # fmt: skip
+        self.stats = output.stats
+        self._deliver_all(events)
+        for key, _reason in output.finished:
+            self._handles.pop(key, None)
+        for key, _why in output.refused:
+            self._handles.pop(key, None)
+
+    def _fail(self, message: str, details: str = "") -> None:
+        """The engine is gone: logs why once, refuses new requests and ends the others."""
+        logger.error("engine failed: %s%s", message, f"\n{details.rstrip()}" if details else "")
+        with self._lock:
+            self.failure = message
+            self._refusal = f"the engine has failed: {message}"
+            ended = list(self._handles)
+        self._deliver_all([(key, ("error", RequestError(message))) for key in ended])
+        self._handles.clear()
+        self.failed.set()
 
     def _deliver_all(self, events: list[tuple[int, tuple]]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
@@ -166,111 +260,12 @@ def _put_all(deliveries: list[tuple[asyncio.Queue, tuple]]) -> None:
         events.put_nowait(event)
 
 
-# ---------------------------------------------------------------- the child process
-
-
-def _run_engine(args: argparse.Namespace, commands, events) -> None:
-    """The child: builds the engine, then applies commands and steps until told to stop.
-
-    With ``--tp`` > 1 every rank's engine process runs this; rank 0's receives the
-    commands from its server and broadcasts each batch of them to the others before
-    applying it, so all ranks add and abort the same requests between the same steps
-    and build the same schedule (the schedule itself is never sent).
-    """
-    from .arg_utils import build_engine
-
-    try:
-        engine, loaded = build_engine(args)
-    except Exception as error:  # noqa: BLE001 - sent to the parent, which raises it
-        events.send(("failed", f"{type(error).__name__}: {error}"))
-        return
-    # Ctrl-C or a SIGTERM reaches the whole process group: the server stops this process
-    # itself (a "stop" command, or its pipe closing), and paddle's own handler for these
-    # signals would print a crash report for an ordinary shutdown.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    config = engine.config
-    group = loaded.tensor_parallel
-    leader = group is None or group.rank == 0
-    info = {"name": loaded.name, "max_model_len": config.max_model_len,
-            "vocab_size": loaded.model.config.vocab_size,
-            "kv_total_blocks": config.num_decoder_blocks,
-            "kv_encoder_total_blocks": config.num_encoder_blocks,
-            "threads": engine.threads}  # fmt: skip
-    events.send(("ready", (info, _stats(engine))))
-    request_ids: dict[int, int] = {}  # parent key -> engine request id
-    keys: dict[int, int] = {}  # engine request id -> parent key
-    while True:
-        step_events: list[tuple[int, tuple]] = []
-        batch = _next_commands(engine, commands) if leader else []
-        if group is not None:
-            batch = _broadcast(batch)
-        for command in batch:
-            if command[0] == "stop":
-                return
-            if command[0] == "add":
-                key, prompt_ids, max_new_tokens, eos, temperature, top_p, seed = command[1:]
-                try:
-                    request_id = engine.add_request(prompt_ids, max_new_tokens, eos,
-                                                    temperature, top_p, seed=seed)  # fmt: skip
-                except ValueError as error:
-                    step_events.append((key, ("error", str(error))))
-                    continue
-                request_ids[key], keys[request_id] = request_id, key
-            elif command[1] in request_ids:  # abort
-                engine.abort(request_ids.pop(command[1]))
-        if engine.has_unfinished():
-            try:
-                finished = engine.step()  # its time goes into engine.stats.elapsed
-            except Exception as error:  # noqa: BLE001 - every client gets it
-                events.send(("failed", f"engine step failed: {type(error).__name__}: {error}"))
-                return
-            step_events += [(keys[request_id], ("token", token))
-                            for request_id, token in engine.last_step_tokens
-                            if request_id in keys]  # fmt: skip
-            for result in finished:
-                key = keys.pop(result.request_id)
-                request_ids.pop(key, None)
-                step_events.append((key, ("finish", result.finish_reason)))
-        if leader and (step_events or batch or engine.has_unfinished()):
-            events.send(("step", (step_events, _stats(engine))))
-
-
-# While idle, rank 0 broadcasts an empty batch this often, so the other ranks' wait in
-# the collective never runs into the backend's timeout.
-IDLE_TICK_S = 1.0
-
-
-def _next_commands(engine, commands) -> list[tuple]:
-    """The commands that arrived; waits for one only when there is nothing to step (at
-    most ``IDLE_TICK_S``). A server that is gone counts as a stop."""
-    batch: list[tuple] = []
-    wait = None if engine.has_unfinished() else IDLE_TICK_S
-    try:
-        while commands.poll(0 if batch or wait is None else wait):
-            batch.append(commands.recv())
-    except EOFError:
-        batch.append(("stop",))
-    return batch
-
-
-def _broadcast(batch: list[tuple]) -> list[tuple]:
-    """Rank 0's command batch, on every rank."""
-    import paddle.distributed as dist
-
-    holder = [batch]
-    dist.broadcast_object_list(holder, src=0)
-    return holder[0]
-
-
-def _stats(engine) -> dict:
-    """The counters ``/metrics`` shows, after the latest step."""
-    return {
-        "kv_free_blocks": engine.free_decoder_blocks,
-        "kv_encoder_free_blocks": engine.encoder_blocks.num_free,
-        "requests_running": engine.num_running,
-        "requests_waiting": engine.num_waiting + engine.num_preempted,
-        "preemptions": engine.stats.preemptions,
-        "generated_tokens": engine.stats.generated_tokens,
-        "step_seconds": engine.stats.elapsed,
-    }
+def _exit_status(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

@@ -1,13 +1,17 @@
 """A continuous-batching generation engine over ``step_paddle`` and ``advance_step``.
 
 Requests run in fixed batch slots (FastDeploy's layout, see ``state.ShareInputs``). The
-``Scheduler`` keeps the host's view (queue, slots, prompt blocks), the ``ModelRunner`` does
-the device work. Each ``Engine.step``:
+``Scheduler`` keeps the host's view (queue, slots, prompt blocks, prefix cache), the
+``ModelRunner`` does the device work. Each ``Engine.step``:
 
-1. admits waiting requests into free slots (host: prompt blocks, slot state);
-2. runs one forward over every running slot: prefills (new or recovered requests) and
-   decodes (inputs prepared by the previous step's ``advance_step``) in one flat batch;
-3. samples one token per running slot;
+1. plans the step (host): one token for every decoding slot, then prefill chunks for
+   prompts under way and newly admitted ones, within ``max_num_batched_tokens``; an
+   admitted prompt takes the cached blocks of its longest cached prefix and prefills
+   only the rest;
+2. runs one forward over every running slot: prefill chunks (new, continued or
+   recovered requests) and decodes (inputs prepared by the previous step's
+   ``advance_step``) in one flat batch;
+3. samples one token per running slot that is not in the middle of its prompt;
 4. updates the slot state on the device (lengths, ``step_idx``, ``pre_ids``, stop checks),
    as FastDeploy's ``update_inputs`` does;
 5. ``step_paddle``: frees finished slots' decoder blocks, gives every decoding slot the
@@ -17,7 +21,9 @@ the device work. Each ``Engine.step``:
    finished requests (their prompt blocks and slots become free).
 
 A preempted request is recomputed by a re-prefill of its prompt and generated tokens when
-the op recovers it, so its output is the same as if it had never been preempted.
+the op recovers it, so its output is the same as if it had never been preempted. Its
+prompt blocks stay with it while it is preempted, so the re-prefill starts after the
+positions they hold (only the decoder blocks' K/V was lost).
 """
 
 from __future__ import annotations
@@ -93,6 +99,9 @@ class Engine:
         self.stats = GenerationStats()
         # (request id, token) of every token the last step generated, for streaming.
         self.last_step_tokens: list[tuple[int, int]] = []
+        # (request id, prompt tokens the prefix cache supplied) of each request the last
+        # step admitted.
+        self.last_step_admitted: list[tuple[int, int]] = []
         self._next_request_id = 0
         self._step_lens = 0  # preempted slots after the previous step
         self._decoder_blocks_in_use = 0
@@ -203,16 +212,28 @@ class Engine:
         """
         started = time.perf_counter()
         scheduler, runner = self.scheduler, self.runner
-        admitted = scheduler.admit()
+        plan = scheduler.schedule()
+        admitted = plan.admitted
+        admitted_requests = [scheduler.slot_requests[slot] for slot in admitted]
+        self.last_step_admitted = [(r.request_id, r.num_cached_tokens) for r in admitted_requests]
         if admitted:
-            runner.write_admitted(admitted, [scheduler.slot_requests[s] for s in admitted])
-        ran_any = bool(scheduler.running.any())
-        # Rows with tokens this step: running (new or recovered prefills, and decodes).
-        ran = paddle.logical_not(runner.state.stop_flags)
+            runner.write_admitted(admitted, admitted_requests)
+        if plan.chunks:
+            runner.write_prefill_chunks(plan.chunks)
+        ran_any = plan.num_tokens > 0
+        # Rows not stopped: running (prefill chunks, possibly empty, and decodes).
+        running = paddle.logical_not(runner.state.stop_flags)
+        ran = running  # the rows that sample: all but those mid-prefill
+        if plan.unsampled_slots:
+            unsampled = np.zeros(self.config.max_batch, dtype=bool)
+            unsampled[plan.unsampled_slots] = True
+            ran = paddle.logical_and(
+                running, paddle.to_tensor(~unsampled, place=runner.state.place)
+            )
         if ran_any:
-            logits, slots = runner.forward()
+            logits, slots = runner.forward(ran)
             tokens = runner.sample(logits, slots, self._uniforms())
-            runner.update_inputs(ran, tokens)
+            runner.update_inputs(running, ran, tokens)
         else:
             tokens = paddle.zeros_like(runner.state.next_tokens)
         runner.schedule_blocks()
@@ -290,6 +311,8 @@ class Engine:
         """Adds a step's tokens, preemptions, recoveries and block use to the stats."""
         stats = self.stats
         stats.generated_tokens += int(outcome.ran.sum())
+        stats.prompt_tokens_queried = self.scheduler.prompt_tokens_queried
+        stats.prompt_tokens_hit = self.scheduler.prompt_tokens_hit
         stats.recoveries += outcome.recovered
         # step_lens grows by the preempted and shrinks by the recovered.
         stats.preemptions += outcome.step_lens - self._step_lens + outcome.recovered

@@ -1,8 +1,8 @@
 """The device side of an engine step, over the slot state (``ShareInputs``) and the paged
-KV cache: writing admitted requests into their slots, the forward pass of every running
-slot, sampling, FastDeploy's ``update_inputs``, the two ops, the one copy back to the
-host, and clearing retired slots. Nothing here decides which request runs where; the
-``Scheduler`` does.
+KV cache: writing admitted requests into their slots and each step's prefill chunks, the
+forward pass of every running slot, sampling, FastDeploy's ``update_inputs``, the two
+ops, the one copy back to the host, and clearing retired slots. Nothing here decides
+which request runs where; the ``Scheduler`` does.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from ..models.llama import LlamaForCausalLM
 from ..ops import advance_step, step_paddle
 from .outputs import StepOutcome
 from .request import MAX_EOS_IDS, Request
+from .scheduler import PrefillChunk
 from .slot_state import ShareInputs
 
 __all__ = ["ModelRunner"]
@@ -34,21 +35,13 @@ class ModelRunner:
             model.config, config.num_kv_blocks, config.block_size
         )
 
-    def write_admitted(self, slots: list[int], requests: list[Request]) -> None:
-        """Sets the admitted slots' state as FastDeploy's runner does on insert."""
-        state, config = self.state, self.config
-        count = len(slots)
-        prompt_lens = np.array([len(r.prompt_ids) for r in requests], dtype=np.int32)
-        input_rows = np.zeros((count, config.max_model_len), dtype=np.int64)
-        table_rows = np.full((count, config.blocks_per_seq), -1, dtype=np.int32)
-        for row, request in enumerate(requests):
-            input_rows[row, : len(request.prompt_ids)] = request.prompt_ids
-            table_rows[row, : len(request.encoder_blocks)] = request.encoder_blocks
-
+    def _row_writer(self, slots: list[int]):
+        """``write(tensor, values)``: rows ``slots`` of ``tensor`` = ``values`` (one per
+        slot, or one for all)."""
+        state, count = self.state, len(slots)
         index = paddle.to_tensor(np.array(slots, dtype=np.int64), place=state.place)
 
         def write(tensor: paddle.Tensor, values) -> None:
-            """Rows ``slots`` of ``tensor`` = ``values`` (one per slot, or one for all)."""
             rows = np.broadcast_to(np.asarray(values), [count, *tensor.shape[1:]])
             paddle.scatter_(
                 tensor,
@@ -56,14 +49,18 @@ class ModelRunner:
                 paddle.to_tensor(np.ascontiguousarray(rows), dtype=tensor.dtype, place=state.place),
             )
 
-        write(state.input_ids, input_rows)
-        for lengths in (
-            state.seq_lens_this_time,
-            state.seq_lens_encoder,
-            state.ori_seq_lens_encoder,
-        ):
-            write(lengths, prompt_lens)
-        write(state.seq_lens_decoder, 0)
+        return write
+
+    def write_admitted(self, slots: list[int], requests: list[Request]) -> None:
+        """Sets the admitted slots' state as FastDeploy's runner does on insert (their
+        first tokens come with ``write_prefill_chunks``)."""
+        state, config = self.state, self.config
+        count = len(slots)
+        table_rows = np.full((count, config.blocks_per_seq), -1, dtype=np.int32)
+        for row, request in enumerate(requests):
+            table_rows[row, : len(request.encoder_blocks)] = request.encoder_blocks
+        write = self._row_writer(slots)
+        write(state.ori_seq_lens_encoder, [len(r.prompt_ids) for r in requests])
         write(state.step_idx, 0)
         write(state.first_token_ids, [r.prompt_ids[0] for r in requests])
         write(state.encoder_block_lens, [len(r.encoder_blocks) for r in requests])
@@ -82,10 +79,32 @@ class ModelRunner:
         keep_stopped = paddle.to_tensor(~admitted_mask, place=state.place)
         paddle.assign(paddle.logical_and(state.stop_flags, keep_stopped), output=state.stop_flags)
 
-    def forward(self) -> tuple[paddle.Tensor, paddle.Tensor]:
+    def write_prefill_chunks(self, chunks: list[PrefillChunk]) -> None:
+        """Each chunk's slot runs its tokens this step from position ``start`` (none when
+        the budget left it nothing), as a prefill: FastDeploy's ``seq_lens_encoder`` is
+        its token count, and it takes no decode input from ``advance_step``."""
+        state, config = self.state, self.config
+        lens = np.array([len(chunk.token_ids) for chunk in chunks], dtype=np.int32)
+        input_rows = np.zeros((len(chunks), config.max_model_len), dtype=np.int64)
+        for row, chunk in enumerate(chunks):
+            input_rows[row, : lens[row]] = chunk.token_ids
+        write = self._row_writer([chunk.slot for chunk in chunks])
+        write(state.input_ids, input_rows)
+        write(state.seq_lens_this_time, lens)
+        write(state.seq_lens_encoder, lens)
+        write(state.seq_lens_decoder, [chunk.start for chunk in chunks])
+        prefilling = np.zeros(config.max_batch, dtype=bool)
+        prefilling[[chunk.slot for chunk in chunks]] = True
+        not_prefilling = paddle.to_tensor(~prefilling, place=state.place)
+        paddle.assign(
+            paddle.logical_and(state.decode_active, not_prefilling), output=state.decode_active
+        )
+
+    def forward(self, sampling: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
         """(logits [R, vocab], slots int64 [R]): the logits of the last token of each of
-        the R slots that run this step, and those slots. Only they go through the LM head
-        (at B = 8 with one request running, one row instead of eight)."""
+        the R slots that run this step and sample (``sampling`` bool [B]: not those in the
+        middle of a prompt), and those slots. Only they go through the LM head (at B = 8
+        with one request running, one row instead of eight)."""
         state = self.state
         batch = build_flat_batch(
             state.input_ids,
@@ -104,7 +123,8 @@ class ModelRunner:
             ("slot_mapping", state.slot_mapping),
         ):
             batch[key] = paddle.where(is_decode, paddle.gather(prepared, rows), batch[key])
-        slots = paddle.nonzero(batch["last_token_index"] >= 0).reshape([-1])
+        wanted = paddle.logical_and(sampling, batch["last_token_index"] >= 0)
+        slots = paddle.nonzero(wanted).reshape([-1])
         batch["last_token_index"] = paddle.gather(batch["last_token_index"], slots)
         return self.model.forward_paged(**batch, kv_cache=self.kv_cache), slots
 
@@ -129,13 +149,18 @@ class ModelRunner:
         tokens = paddle.zeros([self.config.max_batch], dtype=sampled.dtype)
         return paddle.scatter(tokens, slots, sampled)
 
-    def update_inputs(self, ran: paddle.Tensor, tokens: paddle.Tensor) -> None:
+    def update_inputs(
+        self, running: paddle.Tensor, ran: paddle.Tensor, tokens: paddle.Tensor
+    ) -> None:
         """FastDeploy's update_inputs and stop checks, over the whole batch at once.
 
-        The rows that did not run are the stopped ones (finished, preempted or free):
-        their seq_lens_this_time is 0 and, of what is written here, later steps read only
-        their next_tokens and pre_ids columns >= 1 (a recovery rebuilds its row from
-        those), so only those two keep their values. That saves half the eager ops.
+        ``running``: the slots not stopped before the step; ``ran``: those of them that
+        sample a token (all but the ones mid-prefill). The rows that did not run are the
+        stopped ones (finished, preempted or free): their seq_lens_this_time is 0 and, of
+        what is written here, later steps read only their next_tokens and pre_ids columns
+        >= 1 (a recovery rebuilds its row from those), so only those two keep their
+        values. That saves half the eager ops. A row mid-prefill advances by its chunk
+        and takes its next one from the host (its input_ids column 0 is rewritten then).
         """
         state = self.state
         ran_count = ran.astype(state.step_idx.dtype)
@@ -150,7 +175,7 @@ class ModelRunner:
         paddle.assign(paddle.where(ran, tokens, state.next_tokens), output=state.next_tokens)
         state.input_ids[:, 0] = tokens
 
-        still_running = paddle.logical_and(ran, paddle.logical_not(finished)).astype(
+        still_running = paddle.logical_and(running, paddle.logical_not(finished)).astype(
             state.seq_lens_this_time.dtype
         )
         # A row that ran advances by the tokens it ran; a stopped one ends at 0.
@@ -219,7 +244,7 @@ class ModelRunner:
             stopped != 0,
             preempted != 0,
             step_idx,
-            int((recover_list >= 0).sum()),
+            recover_list[recover_list >= 0],
             step_lens,
             free_list_len,
         )

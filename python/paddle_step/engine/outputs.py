@@ -25,12 +25,14 @@ FINISH_ABORT = "abort"
 class GenerationResult:
     """One finished request: its prompt, the tokens generated (an eos token included) and
     why it stopped: ``"eos"``, ``"length"`` (``max_new_tokens`` or the model length) or
-    ``"abort"`` (``Engine.abort``)."""
+    ``"abort"`` (``Engine.abort``). ``cached_tokens``: the prompt tokens whose K/V came
+    from the prefix cache instead of being computed."""
 
     request_id: int
     prompt_ids: list[int]
     token_ids: list[int]
     finish_reason: str
+    cached_tokens: int = 0
 
     def to_dict(self) -> dict:
         """The JSON form: prompt_ids, token_ids and finish_reason."""
@@ -48,7 +50,9 @@ class GenerationStats:
     ``preemptions`` and ``recoveries`` count ``step_paddle``'s evictions of running
     sequences and their returns; ``peak_blocks_in_use`` is the most KV blocks held at once
     (prompt blocks plus decoder blocks, measured after each step's scheduling); ``elapsed``
-    is the time spent in steps, in seconds.
+    is the time spent in steps, in seconds. ``prompt_tokens_queried`` and
+    ``prompt_tokens_hit`` are the prompt tokens admitted and those the prefix cache
+    supplied.
     """
 
     steps: int = 0
@@ -56,6 +60,8 @@ class GenerationStats:
     preemptions: int = 0
     recoveries: int = 0
     peak_blocks_in_use: int = 0
+    prompt_tokens_queried: int = 0
+    prompt_tokens_hit: int = 0
     elapsed: float = 0.0
 
     @property
@@ -77,6 +83,11 @@ class StepOutcome:
     stopped: np.ndarray  # bool: stop_flags after the step
     preempted: np.ndarray  # bool: is_block_step after the step
     step_idx: np.ndarray  # int64: tokens generated so far
-    recovered: int  # slots step_paddle recovered this step
+    recovered_slots: np.ndarray  # int64: the slots step_paddle recovered this step
     step_lens: int  # preempted slots waiting for recovery
     free_list_len: int  # blocks left in the decoder pool
+
+    @property
+    def recovered(self) -> int:
+        """How many slots step_paddle recovered this step."""
+        return int(self.recovered_slots.size)

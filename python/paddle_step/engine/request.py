@@ -40,6 +40,10 @@ def normalize_eos(
 class Request:
     """A validated request; ``encoder_blocks`` are its prompt blocks once admitted.
 
+    Prefix caching: ``block_hashes`` are the keys of its full prompt blocks (made at its
+    first admission attempt), ``blocks_cached`` how many leading ones are cached (hits
+    and those it computed), ``num_cached_tokens`` the prompt tokens the cache supplied.
+
     ``sampling_key`` keys its random draws (see ``sampling.sampling_uniforms``): from the
     request's own seed when it gave one, else from the engine's seed and its id.
     """
@@ -53,6 +57,9 @@ class Request:
     sampling_key: int
     encoder_blocks: list[int] = field(default_factory=list)
     aborted: bool = False
+    block_hashes: list[bytes] = field(default_factory=list)
+    blocks_cached: int = 0
+    num_cached_tokens: int = 0
 
     @classmethod
     def validated(

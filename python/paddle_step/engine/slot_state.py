@@ -101,11 +101,14 @@ class ShareInputs:
 
     def check(self) -> None:
         """``check_state`` on this state (raises ``StateError`` listing every
-        violation), knowing the block-id layout: decoder blocks are the top ids."""
+        violation), knowing the block-id layout: decoder blocks are the top ids, and the
+        prompt blocks below them may be shared by several slots (prefix caching; the
+        engine checks their reference counts itself)."""
         config = self.config
         check_state(
             self.step_tensors(),
             config.block_size,
             num_blocks=config.num_kv_blocks,
             decoder_blocks=range(config.num_encoder_blocks, config.num_kv_blocks),
+            shared_prompt_blocks=range(config.num_encoder_blocks),
         )

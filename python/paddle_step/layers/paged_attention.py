@@ -197,42 +197,79 @@ def build_flat_batch(
 
 
 class PrefillLayout:
-    """Which tokens of a flat step are prefill tokens, and how they pad into a batch.
+    """How the tokens of a flat step split into three kinds of rows, and how they pad.
 
-    A prefill row is a row whose first token this step is at position 0 (a new or
-    recovered sequence): its tokens attend only to each other, so they can use their own
-    fresh K/V, padded into [R, L] (R prefill rows, L the longest), instead of reading every
-    key of the context back from the cache for every token ([T, K] slots). The other
-    (decode) tokens read their keys through the block tables. Built on the host from
-    ``positions`` and ``token_rows``, whose rows must be contiguous and in position order,
-    as ``build_flat_batch`` lays them out.
+    - A *prefill* row's first token this step is at position 0 (a new or recovered
+      sequence): its tokens attend only to each other, so they use their own fresh K/V,
+      padded into [R, L] (R such rows, L the longest), instead of reading every key back
+      from the cache for every token.
+    - A *chunk* row has several tokens from a position > 0 (a prompt continuing after
+      cached blocks or an earlier chunk): its tokens, padded into [Rc, Lc], attend to the
+      row's keys read back from the cache once per row ([Rc, Kc] slots, Kc its longest
+      context), this step's own K/V included (the cache is written first).
+    - The other tokens decode, one per row: each reads its keys through its block table.
+
+    Built on the host from ``positions`` and ``token_rows``, whose rows must be
+    contiguous and in position order, as ``build_flat_batch`` lays them out.
     """
 
     def __init__(self, positions: np.ndarray, token_rows: np.ndarray) -> None:
         count = positions.shape[0]
         row_starts = np.flatnonzero(np.r_[True, token_rows[1:] != token_rows[:-1]])
         row_lengths = np.diff(np.r_[row_starts, count])
-        is_prefill = positions[row_starts] == 0
+        first_positions = positions[row_starts]
+        is_prefill = first_positions == 0
+        is_chunk = ~is_prefill & (row_lengths > 1)
+
         starts, lengths = row_starts[is_prefill], row_lengths[is_prefill]
         self.num_rows = starts.shape[0]
         self.width = int(lengths.max()) if self.num_rows else 0
-        columns = np.arange(self.width)
-        real = columns[None, :] < lengths[:, None]  # [R, L]
-        padded = np.where(real, starts[:, None] + columns[None, :], 0)
-        self.prefill_tokens = padded[real]  # flat indices, ascending
-        is_prefill_token = np.zeros(count, dtype=bool)
-        is_prefill_token[self.prefill_tokens] = True
-        self.decode_tokens = np.flatnonzero(~is_prefill_token)
+        self.prefill_tokens, padded, real = self._pad(starts, lengths, self.width)
+        chunk_starts, chunk_lengths = row_starts[is_chunk], row_lengths[is_chunk]
+        self.num_chunk_rows = chunk_starts.shape[0]
+        self.chunk_width = int(chunk_lengths.max()) if self.num_chunk_rows else 0
+        self.chunk_tokens, chunk_padded, chunk_real = self._pad(
+            chunk_starts, chunk_lengths, self.chunk_width
+        )
+        is_other = np.ones(count, dtype=bool)
+        is_other[self.prefill_tokens] = False
+        is_other[self.chunk_tokens] = False
+        self.decode_tokens = np.flatnonzero(is_other)
         # Tensors only for the parts this step has: a pure decode step adds no work.
         if self.num_rows:
             self.padded_index = paddle.to_tensor(padded.reshape(-1).astype(np.int64))  # [R*L]
             self.unpad_index = paddle.to_tensor(np.flatnonzero(real.reshape(-1)).astype(np.int64))
             # Key j is visible to query i if it is a real token and j <= i; padding queries
             # see real keys too, so no softmax row is empty (their outputs are dropped).
+            columns = np.arange(self.width)
             causal = real[:, None, :] & (columns[None, :, None] >= columns[None, None, :])
             self.causal = paddle.to_tensor(causal[:, None, None])  # [R, 1, 1, L, L]
-        self.is_mixed = bool(self.num_rows and self.decode_tokens.size)
+        if self.num_chunk_rows:
+            self.chunk_padded_index = paddle.to_tensor(chunk_padded.reshape(-1).astype(np.int64))
+            self.chunk_unpad_index = paddle.to_tensor(
+                np.flatnonzero(chunk_real.reshape(-1)).astype(np.int64)
+            )
+            self.chunk_table_rows = paddle.to_tensor(token_rows[chunk_starts].astype(np.int64))
+            first = first_positions[is_chunk]
+            # Padding queries sit past their row's last token; they see its real keys.
+            query_positions = first[:, None] + np.arange(self.chunk_width)[None, :]
+            self.chunk_query_positions = paddle.to_tensor(query_positions.astype(np.int64))
+            self.chunk_context = int((first + chunk_lengths).max())
+        groups = [self.prefill_tokens, self.chunk_tokens, self.decode_tokens]
+        self.is_mixed = sum(group.size > 0 for group in groups) > 1
         if self.is_mixed:
-            # Token order of [prefill outputs, decode outputs].
-            order = np.concatenate([self.prefill_tokens, self.decode_tokens])
+            # Token order of [prefill outputs, chunk outputs, decode outputs].
+            order = np.concatenate(groups)
             self.restore_order = paddle.to_tensor(np.argsort(order).astype(np.int64))
+
+    @staticmethod
+    def _pad(
+        starts: np.ndarray, lengths: np.ndarray, width: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows of ``lengths`` tokens from flat index ``starts`` padded to ``width``: the
+        flat indices of their tokens (ascending), the padded index grid [R, width] (0 in
+        padding) and its real-token mask."""
+        columns = np.arange(width)
+        real = columns[None, :] < lengths[:, None]
+        padded = np.where(real, starts[:, None] + columns[None, :], 0)
+        return padded[real], padded, real

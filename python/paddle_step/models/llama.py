@@ -395,14 +395,34 @@ class LlamaForCausalLM(nn.Layer):
 
         Each token attends to its sequence's keys at positions up to and including its own.
         Tokens of a row starting at position 0 (a prefill) use the step's own K/V; the others
-        read theirs back from the cache (so earlier steps' K/V must be there). Returns
+        read theirs back from the cache (so earlier steps' K/V must be there): once per row
+        for a row of several tokens (a prompt chunk), once per token for a decode row. Returns
         logits [R, vocab] of the tokens ``last_token_index`` names; -1 gets zeros (the LM
         head runs on every index given: pass only the rows that sample).
         """
         layout = PrefillLayout(positions.numpy(), token_rows.numpy())
         kept_slots = KeptSlots(slot_mapping)
+        cfg = self.config
+        groups = cfg.num_heads // cfg.num_kv_heads
         if layout.num_rows:
             prefill_mask = self._additive_mask(layout.causal)
+        if layout.num_chunk_rows:
+            chunk_rows, chunk_width = layout.num_chunk_rows, layout.chunk_width
+            key_positions = paddle.arange(layout.chunk_context, dtype="int64")
+            chunk_slots = slots_through_table(
+                paddle.gather(block_tables, layout.chunk_table_rows),
+                key_positions.unsqueeze(0).expand([chunk_rows, layout.chunk_context]),
+                kv_cache.block_size,
+            )  # [Rc, Kc]
+            # [Rc, Lc, Kc]: in-table keys at or before each query's position.
+            visible = (chunk_slots >= 0).unsqueeze(1) & (
+                key_positions.reshape([1, 1, -1]) <= layout.chunk_query_positions.unsqueeze(2)
+            )
+            chunk_slots = paddle.where(
+                chunk_slots >= 0, chunk_slots, paddle.zeros_like(chunk_slots)
+            )
+            chunk_key_rows = kv_cache.head_major_rows(chunk_slots)  # [Rc, KVH, Kc]
+            chunk_mask = self._additive_mask(visible.unsqueeze(1).unsqueeze(1))  # [Rc,1,1,Lc,Kc]
         if layout.decode_tokens.size:
             decode_positions, decode_rows = positions, token_rows
             if layout.is_mixed:
@@ -421,8 +441,6 @@ class LlamaForCausalLM(nn.Layer):
             key_rows = kv_cache.head_major_rows(key_slots)  # [Td, KVH, K], shared by layers
             # [Td, 1, 1, 1, K]
             decode_mask = self._additive_mask(visible.unsqueeze(1).unsqueeze(1).unsqueeze(3))
-            cfg = self.config
-            groups = cfg.num_heads // cfg.num_kv_heads
 
         def padded(x: paddle.Tensor) -> paddle.Tensor:
             """[T, heads, D] -> the prefill rows' tokens, [R, L, heads, D]."""
@@ -437,6 +455,15 @@ class LlamaForCausalLM(nn.Layer):
                     out = self._grouped_attention(padded(q), padded(k), padded(v), prefill_mask)
                     out = out.reshape([layout.num_rows * layout.width, -1])
                     outputs.append(paddle.gather(out, layout.unpad_index))
+                if layout.num_chunk_rows:
+                    keys, values = kv_cache.gather_head_major(layer, chunk_key_rows)
+                    chunk_q = paddle.gather(q, layout.chunk_padded_index).reshape(
+                        [chunk_rows, chunk_width, cfg.num_kv_heads, groups, cfg.head_dim]
+                    )
+                    chunk_q = chunk_q.transpose([0, 2, 3, 1, 4]).contiguous()  # [Rc,KVH,G,Lc,D]
+                    out = self._attention(chunk_q, keys, values, chunk_mask)
+                    out = out.transpose([0, 3, 1, 2, 4]).reshape([chunk_rows * chunk_width, -1])
+                    outputs.append(paddle.gather(out, layout.chunk_unpad_index))
                 if layout.decode_tokens.size:
                     keys, values = kv_cache.gather_head_major(layer, key_rows)  # [Td, KVH, K, D]
                     # Each token is its own query batch of one, over its own key set; with

@@ -113,7 +113,8 @@ def _check_lengths_and_lists(
     flat: Mapping[str, np.ndarray], batch_size: int, after_step: bool
 ) -> list[str]:
     """Scalar lengths in range, scratch lists reset, step_block_list agreeing with
-    is_block_step, no negative per-slot length."""
+    is_block_step, preempted slots stopped with no decoded positions, no negative
+    per-slot length."""
     problems = []
     free_list_capacity = flat["free_list"].size
     free_list_len = int(flat["free_list_len"][0])
@@ -161,6 +162,13 @@ def _check_lengths_and_lists(
             )
         if not flat["stop_flags"][slot]:
             problems.append(f"slot {slot} is preempted (is_block_step) but stop_flags is false")
+        # Preemption zeroes seq_lens_decoder and recovery re-prefills from position 0, so
+        # a preempted slot never has cached positions to decode from.
+        if flat["seq_lens_decoder"][slot] != 0:
+            problems.append(
+                f"slot {slot} is preempted (is_block_step) but seq_lens_decoder is "
+                f"{int(flat['seq_lens_decoder'][slot])}, expected 0"
+            )
 
     for name in (
         "seq_lens_this_time",
@@ -176,11 +184,14 @@ def _check_lengths_and_lists(
 
 def _check_block_ids(
     block_tables: np.ndarray,
+    encoder_lens: np.ndarray,
     pool: np.ndarray,
     num_blocks: int,
     decoder_blocks: Iterable[int] | None,
+    shared_prompt_blocks: Iterable[int] | None,
 ) -> list[str]:
-    """Block ids in ``[0, num_blocks)``, each owned or pooled once, and (given
+    """Block ids in ``[0, num_blocks)``, each owned or pooled once (a block of
+    ``shared_prompt_blocks`` may sit in several slots' encoder columns), and (given
     ``decoder_blocks``) every decoder block accounted for and nothing else in the pool."""
     problems = []
 
@@ -195,8 +206,13 @@ def _check_block_ids(
             )
         else:
             owners[block].append((slot, column))
+    shareable = {int(block) for block in shared_prompt_blocks or ()}
+
+    def shared_prompt_block(block: int, places: list[tuple[int, int]]) -> bool:
+        return block in shareable and all(column < encoder_lens[slot] for slot, column in places)
+
     for block, places in owners.items():
-        if len(places) > 1:
+        if len(places) > 1 and not shared_prompt_block(block, places):
             where = ", ".join(f"slot {slot} column {column}" for slot, column in places)
             problems.append(f"block {block} is owned twice: {where}")
 
@@ -332,6 +348,7 @@ def check_state(
     after_step: bool = True,
     num_blocks: int | None = None,
     decoder_blocks: Iterable[int] | None = None,
+    shared_prompt_blocks: Iterable[int] | None = None,
 ) -> None:
     """Raises ``StateError`` listing every way ``tensors`` breaks SPEC's invariants.
 
@@ -342,7 +359,9 @@ def check_state(
     receive. Block ids must lie in ``[0, num_blocks)``; ``num_blocks`` defaults
     to ``max(free_list.size, largest id + 1)``. ``decoder_blocks``, when given,
     is the set of decoder block ids: each must be in the pool or in a table
-    (none lost) and the pool must hold nothing else.
+    (none lost) and the pool must hold nothing else. ``shared_prompt_blocks``, when
+    given, are ids that several slots may hold at once in their encoder columns (prompt
+    blocks a host's prefix cache shares; SPEC leaves encoder blocks to the host).
     Returns None when the state is fine.
     """
     if not isinstance(block_size, (int, np.integer)) or block_size <= 0:
@@ -363,7 +382,14 @@ def check_state(
         num_blocks = max(free_list.size, largest_id + 1)
     problems = [
         *_check_lengths_and_lists(flat, block_tables.shape[0], after_step),
-        *_check_block_ids(block_tables, pool, num_blocks, decoder_blocks),
+        *_check_block_ids(
+            block_tables,
+            flat["encoder_block_lens"],
+            pool,
+            num_blocks,
+            decoder_blocks,
+            shared_prompt_blocks,
+        ),
         *_check_slot_tables(flat, block_tables, block_size, after_step),
     ]
     if problems:

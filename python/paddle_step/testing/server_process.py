@@ -1,19 +1,33 @@
 """``python -m paddle_step.serve`` in a subprocess on 127.0.0.1, for tests and benchmarks:
-started on a free port, waited for until ``/health`` answers, and always stopped."""
+started on a free port, waited for until ``/health`` answers, and always stopped; and the
+helpers for any server so started (a free port, the health wait, a metric's value).
+Standard library only: an install check runs this where only the runtime packages are."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import IO
 
-import httpx
-
-__all__ = ["free_port", "server_process"]
+__all__ = [
+    "ServerProcess",
+    "descendants",
+    "free_port",
+    "metric",
+    "metrics",
+    "server_process",
+    "spawn_server",
+    "wait_for_health",
+]
 
 
 def free_port() -> int:
@@ -23,38 +37,123 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def wait_for_health(
+    url: str,
+    process: subprocess.Popen,
+    timeout_s: float,
+    log: Callable[[], str] | None = None,
+) -> None:
+    """Returns once ``url``/health answers 200; raises ``RuntimeError`` if ``process`` (the
+    server, or the launcher that runs it) exits first (with the end of ``log()``) or
+    ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while not _healthy(url):
+        if process.poll() is not None:
+            output = f": {log()[-2000:]}" if log is not None else ""
+            raise RuntimeError(f"the server exited ({process.returncode}){output}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server gave no /health answer within {timeout_s:.0f} s")
+        time.sleep(0.3)
+
+
+def metrics(url: str) -> dict[str, float]:
+    """The unlabelled metrics on ``url``/metrics, by name (one scrape)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if value and not line.startswith("#") and "{" not in name:
+            values[name] = float(value.split()[0])
+    return values
+
+
+def metric(url: str, name: str) -> float:
+    """The value of the unlabelled metric ``name`` on ``url``/metrics; raises ``KeyError``
+    if the page has none."""
+    values = metrics(url)
+    if name not in values:
+        raise KeyError(f"{url}/metrics has no metric {name}")
+    return values[name]
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    process: subprocess.Popen
+    log_file: IO[str]
+
+    def log(self) -> str:
+        """Everything the server printed so far."""
+        self.log_file.flush()
+        self.log_file.seek(0)
+        return self.log_file.read()
+
+
 @contextmanager
-def server_process(flags: Sequence[str] = (), timeout_s: float = 120.0) -> Iterator[str]:
-    """Yields the URL of a server started with ``flags``; raises ``RuntimeError`` (with
-    the server's output) if it exits or does not answer ``/health`` within ``timeout_s``."""
+def spawn_server(
+    flags: Sequence[str] = (),
+    timeout_s: float = 120.0,
+    module: str = "paddle_step.serve",
+    env: Mapping[str, str] | None = None,
+) -> Iterator[ServerProcess]:
+    """Runs ``python -m module --port P flags`` (with ``env`` added to the environment)
+    and yields it once ``/health`` answers 200; raises ``RuntimeError`` (with the
+    server's output) if it exits or does not answer within ``timeout_s``. The server is
+    terminated, then killed, on the way out if it still runs."""
     port = free_port()
-    command = [sys.executable, "-m", "paddle_step.serve", "--port", str(port), *flags]
+    command = [sys.executable, "-m", module, "--port", str(port), *flags]
     # Its log goes to a file: a pipe nobody reads would fill up and stall the server.
     log = tempfile.TemporaryFile(mode="w+")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})}
+    )
+    server = ServerProcess(f"http://127.0.0.1:{port}", process, log)
     try:
-        deadline = time.monotonic() + timeout_s
-        while not _healthy(url):
-            if process.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"the server exited: {log.read()[-2000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server gave no /health answer within {timeout_s:.0f} s")
-            time.sleep(0.3)
-        yield url
+        wait_for_health(server.url, process, timeout_s, server.log)
+        yield server
     finally:
-        process.terminate()
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(10)
         log.close()
+
+
+@contextmanager
+def server_process(flags: Sequence[str] = (), timeout_s: float = 120.0) -> Iterator[str]:
+    """``spawn_server(flags, timeout_s)``'s URL."""
+    with spawn_server(flags, timeout_s) as server:
+        yield server.url
+
+
+def descendants(pid: int) -> list[int]:
+    """The ids of ``pid``'s children, their children, and so on (Linux ``/proc``)."""
+    found: list[int] = []
+    pending = [pid]
+    while pending:
+        parent = pending.pop()
+        try:
+            threads = os.listdir(f"/proc/{parent}/task")
+        except FileNotFoundError:
+            continue
+        for thread in threads:
+            try:
+                with open(f"/proc/{parent}/task/{thread}/children") as children:
+                    kids = [int(child) for child in children.read().split()]
+            except FileNotFoundError:
+                continue
+            found += kids
+            pending += kids
+    return found
 
 
 def _healthy(url: str) -> bool:
     try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.TransportError:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
+            return answer.status == 200
+    except (urllib.error.URLError, OSError):
         return False

@@ -22,7 +22,7 @@ import uvicorn
 
 from paddle_step.engine.arg_utils import build_engine
 from paddle_step.entrypoints.openai import cli as serve
-from paddle_step.testing.server_process import server_process
+from paddle_step.testing.server_process import metric, server_process
 
 GOLDEN_LLAMA = Path(__file__).resolve().parents[2] / "data" / "hf-tiny" / "llama-tiny"
 CHAT_TEMPLATE = (
@@ -259,13 +259,6 @@ def test_bad_requests_get_400_and_server_keeps_serving(served, what, body, messa
     assert good.status_code == 200
 
 
-def metric(base_url: str, name: str) -> float:
-    for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"metric {name} not found")
-
-
 def test_concurrent_streams_with_cancellations(served, offline):
     """64 concurrent streaming clients, 400 requests, 20% closed mid-stream."""
     base_url, loop = served
@@ -329,3 +322,35 @@ def test_concurrent_streams_with_cancellations(served, offline):
 def test_server_process_starts_and_answers_health():
     with server_process(timeout_s=120) as url:  # the shipped model, default flags
         assert httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"] == "pydoc-tiny"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_usage_reports_prompt_tokens_from_the_prefix_cache(served, offline, stream):
+    """The second of two equal prompts finds its full blocks (4 tokens each, the last
+    token always computed) cached; the counters count both lookups."""
+    base_url, _loop = served
+    api = client(base_url)
+    prompt = f"{'streamed' if stream else 'whole'}: prefix caching sees the same words twice"
+    prompt_len = len(offline.tokenizer.encode(prompt))
+    queries, hits = (
+        metric(base_url, f"paddle_step_prefix_cache_{n}_total") for n in ("queries", "hits")
+    )
+    cached = []
+    for _ in range(2):
+        if stream:
+            chunks = list(
+                api.completions.create(
+                    model="llama-tiny",
+                    prompt=prompt,
+                    max_tokens=3,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
+            usage = chunks[-1].usage
+        else:
+            usage = api.completions.create(model="llama-tiny", prompt=prompt, max_tokens=3).usage
+        cached.append(usage.prompt_tokens_details.cached_tokens)
+    assert cached == [0, (prompt_len - 1) // 4 * 4]
+    assert metric(base_url, "paddle_step_prefix_cache_queries_total") == queries + 2 * prompt_len
+    assert metric(base_url, "paddle_step_prefix_cache_hits_total") == hits + cached[1]

@@ -21,9 +21,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from ...engine.core_client import EngineLoop, RequestHandle, SamplingParams
+from ...engine.core_client import (
+    EngineLoop,
+    EngineUnavailable,
+    RequestError,
+    RequestHandle,
+    SamplingParams,
+)
 from ...tokenizer.detokenizer import IncrementalDetokenizer
+from .guard import RequestGuard
 from .metrics import metrics_registry
+from .openapi import install_openapi
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from .text_stream import TextStream
 
@@ -33,17 +41,29 @@ __all__ = ["create_app"]
 _DISCONNECT_POLL_S = 0.5
 
 
-def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
+def create_app(
+    loop: EngineLoop,
+    tokenizer,
+    model_name: str,
+    *,
+    api_key: str | None = None,
+    max_request_bytes: int = 1 << 20,
+    max_waiting: int = 1024,
+) -> FastAPI:
     """The app over a started ``loop``; it stops the loop on shutdown.
 
-    ``tokenizer`` needs ``encode(text)``, ``decode(ids, skip_special_tokens)`` and
-    ``encode_chat(messages)`` (the checkpoint's chat template; raises
-    ``ValueError`` when the checkpoint has none).
+    ``tokenizer`` needs ``encode(text)``, ``decode(ids, skip_special_tokens)``,
+    ``vocab_size`` and ``encode_chat(messages)`` (the checkpoint's chat template; raises
+    ``ValueError`` when the checkpoint has none). ``api_key`` and ``max_request_bytes``:
+    see ``RequestGuard``. A request that would be the ``max_waiting``-th one waiting for
+    a batch slot gets 429.
     """
 
     max_model_len = loop.info["max_model_len"]
     # Prompt ids index the model's embedding rows (the engine checks the same bound).
     vocab_size = loop.info["vocab_size"]
+    max_in_flight = loop.info["max_batch"] + max_waiting
+    max_prompt_bytes = _max_prompt_bytes(tokenizer, max_model_len)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -51,6 +71,17 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
         loop.stop()
 
     app = FastAPI(title="paddle_step", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(
+        RequestGuard, loop=loop, api_key=api_key, max_request_bytes=max_request_bytes
+    )
+    install_openapi(
+        app,
+        model_name=model_name,
+        max_model_len=max_model_len,
+        vocab_size=vocab_size,
+        api_key=api_key is not None,
+        chat=getattr(tokenizer, "chat_template", "") is not None,
+    )
     registry = metrics_registry(loop)
     created = int(time.time())
 
@@ -76,10 +107,9 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = loop.healthy
-        return JSONResponse(
-            {"status": "ok" if ok else "engine failed"}, status_code=200 if ok else 503
-        )
+        if loop.healthy:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable", "reason": loop.refusal}, status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -117,8 +147,14 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
                 param="prompt",
             )
         room = max_model_len - len(prompt_ids)
+        if room < 1:
+            raise ApiError(
+                f"the prompt ({len(prompt_ids)} tokens) leaves no room in the model's context "
+                f"of {max_model_len} tokens",
+                param="prompt" if isinstance(body, CompletionRequest) else "messages",
+            )
         max_tokens = body.max_tokens if body.max_tokens is not None else room
-        if room < 1 or max_tokens > room:
+        if max_tokens > room:
             raise ApiError(
                 f"the prompt ({len(prompt_ids)} tokens) plus 'max_tokens' ({max_tokens}) "
                 f"exceeds the model's context of {max_model_len} tokens",
@@ -135,18 +171,32 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
         text = TextStream(detokenizer, body.stop_strings())
         return RequestHandle(prompt_ids, params), text
 
+    def check_prompt_size(text_size: int, param: str) -> None:
+        """Refuses, before tokenizing, a text too long for the context in any tokenization."""
+        if text_size > max_prompt_bytes:
+            raise ApiError(
+                f"the prompt ({text_size} bytes of text) is longer than the model's context "
+                f"of {max_model_len} tokens",
+                param=param,
+            )
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        _check_text(body)
         body.check_ranges()
         prompt = body.single_prompt()
+        if isinstance(prompt, str):
+            check_prompt_size(len(prompt.encode()), "prompt")
         prompt_ids = list(prompt) if isinstance(prompt, list) else tokenizer.encode(prompt)
         handle, text = prepare(body, prompt_ids)
         return await respond(request, body, handle, text, _CompletionFormat())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        _check_text(body)
         body.check_ranges()
         messages = [message.model_dump() for message in body.messages]
+        check_prompt_size(sum(len(m.content.encode()) for m in body.messages), "messages")
         try:
             prompt_ids = tokenizer.encode_chat(messages)
         except ValueError as error:
@@ -157,7 +207,18 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
     async def respond(
         request: Request, body, handle: RequestHandle, text: TextStream, fmt: _Format
     ) -> Response:
-        loop.submit(handle)
+        if loop.num_in_flight >= max_in_flight:
+            error = ApiError(
+                f"the server is at capacity ({max_waiting} requests waiting for a slot); "
+                "retry later",
+                status=429,
+                kind="rate_limit_exceeded",
+            )
+            return JSONResponse(error.body(), status_code=429, headers={"Retry-After": "1"})
+        try:
+            loop.submit(handle)
+        except EngineUnavailable as error:
+            raise ApiError(str(error), status=503, kind="service_unavailable") from None
         fmt.start(model_name, len(handle.prompt_ids))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -171,10 +232,59 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
         finally:
             _abort_unless_done(loop, handle)
         if fmt.error is not None:
-            raise ApiError(fmt.error, status=500, kind="server_error")
+            raise _api_error(fmt.error)
         return JSONResponse(fmt.whole("".join(pieces), fmt.finish_reason, text.num_tokens))
 
     return app
+
+
+def _max_prompt_bytes(tokenizer, max_model_len: int) -> int:
+    """A text longer than this (UTF-8 bytes) cannot fit ``max_model_len`` tokens: no token
+    stands for more bytes than the longest one decodes to. Twice that leaves room for
+    normalizers that shrink text before it is split."""
+    longest = max(
+        len(tokenizer.decode([token], skip_special_tokens=False).encode("utf-8", "replace"))
+        for token in range(tokenizer.vocab_size)
+    )
+    return 2 * max(longest, 1) * max_model_len
+
+
+def _check_text(body) -> None:
+    """Refuses a string that is not Unicode text (a lone surrogate, which JSON's \\u
+    escapes can carry) in any field of ``body``, before anything encodes it."""
+
+    def bad_field(value, where: str) -> str | None:
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return where
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                found = bad_field(key, where) or bad_field(item, f"{where}.{key}")
+                if found:
+                    return found
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                found = bad_field(item, f"{where}[{index}]")
+                if found:
+                    return found
+        return None
+
+    for name, value in body.model_dump().items():
+        where = bad_field(value, name)
+        if where is not None:
+            where = where.encode("utf-8", "backslashreplace").decode()
+            raise ApiError(
+                f"'{where}': expected Unicode text, got a string with a lone surrogate",
+                param=where,
+            )
+
+
+def _api_error(error: RequestError) -> ApiError:
+    if error.unavailable:  # the engine failed or the server is shutting down
+        return ApiError(error.message, status=503, kind="service_unavailable")
+    return ApiError(error.message)
 
 
 def _abort_unless_done(loop: EngineLoop, handle: RequestHandle) -> None:
@@ -199,7 +309,9 @@ async def _relay(
                 if await is_disconnected():
                     return
                 continue
-        if kind == "token":
+        if kind == "cached":
+            fmt.cached_tokens = value
+        elif kind == "token":
             delta = text.add(value)
             if text.stopped:  # a stop string ended the text: the request is done
                 fmt.finish_reason = "stop"
@@ -229,7 +341,7 @@ async def _sse(
             if delta:
                 yield fmt.text_event(delta)
         if fmt.error is not None:
-            yield _event(ApiError(fmt.error, status=500, kind="server_error").body())
+            yield _event(_api_error(fmt.error).body())
         else:
             yield _event(fmt.chunk("", fmt.finish_reason))
             if include_usage:
@@ -254,8 +366,9 @@ class _Format:
         self.created = int(time.time())
         self.model = model_name
         self.prompt_tokens = prompt_tokens
+        self.cached_tokens = 0  # prompt tokens the prefix cache supplied
         self.finish_reason: str | None = None
-        self.error: str | None = None
+        self.error: RequestError | None = None
         self._text_event_parts: list[str] | None = None
 
     def text_event(self, delta: str) -> str:
@@ -273,6 +386,7 @@ class _Format:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": self.prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
     def envelope(self, object_name: str, choices: list, **extra) -> dict:

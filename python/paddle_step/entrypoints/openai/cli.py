@@ -11,8 +11,13 @@ folder's name unless ``--served-model-name`` says otherwise; the engine flags ar
 from __future__ import annotations
 
 import argparse
+import asyncio
+import importlib.util
+import ipaddress
 import os
 import sys
+import threading
+import time
 
 from ...engine.arg_utils import (
     add_engine_arguments,
@@ -21,7 +26,27 @@ from ...engine.arg_utils import (
 )
 from ...engine.core_client import EngineLoop
 
-__all__ = ["build_app", "main", "parse_args"]
+__all__ = ["build_app", "main", "missing_serving_packages", "parse_args"]
+
+# The serving stack (requirements.txt): module -> distribution to pip-install.
+SERVING_PACKAGES = {
+    "fastapi": "fastapi",
+    "uvicorn": "uvicorn",
+    "prometheus_client": "prometheus-client",
+}
+
+
+def missing_serving_packages() -> list[str]:
+    """The distributions of the serving stack that cannot be imported."""
+    return [
+        dist
+        for module, dist in SERVING_PACKAGES.items()
+        if importlib.util.find_spec(module) is None
+    ]
+
+# After the engine fails, the server answers 503 this long (so clients and a load
+# balancer see why), then exits non-zero for its supervisor to restart it.
+ENGINE_FAILURE_GRACE_S = 5.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -35,9 +60,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="the model id in the API (default: the checkpoint folder's name)",
     )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        help="on SIGTERM, how long running requests may go on before they end with an "
+        "error (seconds; new requests are refused at once)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("PADDLE_STEP_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $PADDLE_STEP_API_KEY; "
+        "/health and /metrics stay open)",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=1 << 20,
+        help="the largest request body taken (bytes; larger ones get 413)",
+    )
+    parser.add_argument(
+        "--max-waiting",
+        type=int,
+        default=1024,
+        help="requests that may wait for a batch slot; more get 429 with Retry-After",
+    )
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
     check_engine_arguments(parser, args)
+    if not args.shutdown_timeout >= 0:
+        parser.error(f"argument --shutdown-timeout: expected >= 0, got {args.shutdown_timeout}")
+    for name in ("max_request_bytes", "max_waiting"):
+        if getattr(args, name) < 1:
+            flag = "--" + name.replace("_", "-")
+            parser.error(f"argument {flag}: expected an integer >= 1, got {getattr(args, name)}")
+    if args.api_key == "":
+        parser.error("argument --api-key: expected a non-empty key, got ''")
     return args
 
 
@@ -55,20 +113,50 @@ def build_app(args: argparse.Namespace):
         raise ValueError(str(error)) from None
     name = args.served_model_name or loop.info["name"]
     print(
-        f"paddle_step.serve: model {name}, {loop.info['threads']} CPU threads per engine",
+        f"paddle_step.serve: model {name}, {loop.info['threads']} CPU threads per engine, "
+        f"engine process {loop.pid}",
         file=sys.stderr,
     )
-    return create_app(loop, tokenizer, name), loop
+    if args.api_key is None and not _is_loopback(args.host):
+        print(
+            f"paddle_step.serve: WARNING: serving on {args.host} without --api-key: anyone "
+            "who can reach this address can use the model",
+            file=sys.stderr,
+        )
+    app = create_app(
+        loop,
+        tokenizer,
+        name,
+        api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes,
+        max_waiting=args.max_waiting,
+    )
+    return app, loop
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
 
 
 def main(argv: list[str] | None = None) -> None:
+    missing = missing_serving_packages()
+    if missing:
+        raise SystemExit(
+            f"paddle_step.serve: the serving stack is not installed ({', '.join(missing)}); "
+            f"run `{sys.executable} -m pip install {' '.join(missing)}`"
+        )
     args = parse_args(argv)
     # With --tp > 1 (under paddle.distributed.launch) rank 0 serves HTTP; every rank runs
     # an engine process, and rank 0's hands the others each batch of requests.
     rank = int(os.environ.get("PADDLE_TRAINER_ID", "0")) if args.tp > 1 else 0
     try:
         if rank == 0:
-            app, _loop = build_app(args)
+            app, loop = build_app(args)
         else:
             follower = EngineLoop(args)
             follower.start()
@@ -77,9 +165,50 @@ def main(argv: list[str] | None = None) -> None:
     if rank != 0:
         follower.wait()
         return
+    server = _server(app, loop, args)
+    threading.Thread(target=_exit_after_failure, args=(loop, server), daemon=True).start()
+    server.run()
+    if loop.failure is not None:
+        raise SystemExit(f"paddle_step.serve: exiting with status 1 ({loop.failure})")
+
+
+def _server(app, loop: EngineLoop, args: argparse.Namespace):
+    """uvicorn's server, whose shutdown (SIGTERM, Ctrl-C) refuses new requests at once,
+    lets running ones go on for up to ``--shutdown-timeout`` and then ends them with an
+    error, before the engine process is stopped."""
     import uvicorn
 
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    drain_s = args.shutdown_timeout
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            loop.refuse_new("the server is shutting down")
+            message = f"the server shut down before the request finished ({drain_s:g} s drain)"
+            timer = asyncio.get_running_loop().call_later(drain_s, loop.end_all, message)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    # uvicorn's own limit is a backstop: by then every request has had its error event.
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        timeout_graceful_shutdown=drain_s + 5.0,
+    )
+    return DrainingServer(config)
+
+
+def _exit_after_failure(loop: EngineLoop, server) -> None:
+    loop.failed.wait()
+    print(
+        f"paddle_step.serve: the engine failed; exiting in {ENGINE_FAILURE_GRACE_S:g} s",
+        file=sys.stderr,
+    )
+    time.sleep(ENGINE_FAILURE_GRACE_S)
+    server.should_exit = True
 
 
 if __name__ == "__main__":

@@ -43,6 +43,14 @@ class _EngineCollector(Collector):
             "paddle_step_generated_tokens", "Tokens generated", value=stats["generated_tokens"]
         )
         yield CounterMetricFamily(
+            "paddle_step_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+            value=stats["prefix_cache_queries"],
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "paddle_step_prefix_cache_hits", "Prompt tokens the prefix cache supplied",
+            value=stats["prefix_cache_hits"],
+        )  # fmt: skip
+        yield CounterMetricFamily(
             "paddle_step_engine_step_seconds", "Time spent in engine steps",
             value=stats["step_seconds"],
         )  # fmt: skip

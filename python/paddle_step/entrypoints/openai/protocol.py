@@ -7,9 +7,17 @@ a 400 naming it, rather than silently ignored.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+)
 
 __all__ = ["ApiError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest"]
 
@@ -41,6 +49,13 @@ class ApiError(Exception):
         }
 
 
+def _integral(value):
+    """JSON has one kind of number: 7.0 is the integer 7, as JSON Schema's "integer" says
+    (and schema-driven clients send it). Fractions, bools and strings stay refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Integer = Annotated[StrictInt, BeforeValidator(_integral)]
 Number = StrictInt | StrictFloat
 
 
@@ -55,14 +70,14 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str
-    max_tokens: StrictInt | None = None
+    max_tokens: Integer | None = None
     temperature: Number = 1.0
     top_p: Number = 1.0
-    seed: StrictInt | None = None
+    seed: Integer | None = None
     stop: str | list[str] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = 1
+    n: Integer = 1
     ignore_eos: StrictBool = False  # vLLM's extension
     user: str | None = None
 
@@ -108,7 +123,7 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``: one prompt, as text or as token ids."""
 
-    prompt: str | list[StrictInt] | list[str]
+    prompt: str | list[Integer] | list[str]
 
     def single_prompt(self) -> str | list[int]:
         prompt = self.prompt

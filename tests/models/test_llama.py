@@ -1,4 +1,5 @@
-"""Tokenizer, paged KV cache and the tiny model: the paged path must match the naive one."""
+"""LlamaForCausalLM's paged forward against its naive one (full recompute, no cache):
+mixed prefill and decode rows, float32 and float64, a greedy decode, continuations."""
 
 from __future__ import annotations
 
@@ -11,108 +12,14 @@ import pytest
 from paddle_step.config import ModelConfig
 from paddle_step.layers.paged_attention import PagedKVCache, build_flat_batch
 from paddle_step.models.llama import LlamaForCausalLM
+from paddle_step.testing.greedy import greedy_reference
+from paddle_step.testing.paged_batches import scrambled_block_tables, slot_state
 from paddle_step.tokenizer.byte import ByteTokenizer
 
 
 @pytest.fixture(scope="module")
 def model64() -> LlamaForCausalLM:
     return LlamaForCausalLM(ModelConfig(dtype="float64", seed=1234))
-
-
-def scrambled_block_tables(num_rows: int, blocks_per_row: int) -> np.ndarray:
-    """Give out blocks from the highest id down, column by column across rows, so every
-    sequence's blocks are descending and interleaved with the other sequences' blocks."""
-    descending = iter(range(num_rows * blocks_per_row - 1, -1, -1))
-    tables = np.empty((num_rows, blocks_per_row), dtype=np.int32)
-    for col in range(blocks_per_row):
-        for row in range(num_rows):
-            tables[row, col] = next(descending)
-    return tables
-
-
-def slot_state(
-    rows: list[list[int]], starts: list[int], width: int
-) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
-    """FastDeploy-style (input_ids [B, width], seq_lens_this_time [B, 1], seq_lens_decoder [B])
-    for rows carrying these tokens this step, starting at these positions."""
-    input_ids = np.zeros((len(rows), width), dtype=np.int64)
-    for b, tokens in enumerate(rows):
-        input_ids[b, : len(tokens)] = tokens
-    lens = np.array([[len(tokens)] for tokens in rows], dtype=np.int32)
-    return (
-        paddle.to_tensor(input_ids),
-        paddle.to_tensor(lens),
-        paddle.to_tensor(np.array(starts, dtype=np.int32)),
-    )
-
-
-def naive_greedy(model: LlamaForCausalLM, prompt: list[int], num_new: int) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(num_new):
-        tokens.append(int(paddle.argmax(model.forward_naive([tokens]), axis=-1)[0]))
-    return tokens[len(prompt) :]
-
-
-def test_tokenizer_round_trip() -> None:
-    tok = ByteTokenizer()
-    assert tok.vocab_size == 259
-    assert len({tok.bos_id, tok.eos_id, tok.pad_id}) == 3
-    assert min(tok.bos_id, tok.eos_id, tok.pad_id) >= 256
-    for text in ["", "hello world", "naïve café ✓ 日本語 🚀"]:
-        ids = tok.encode(text)
-        assert ids[0] == tok.bos_id
-        assert all(0 <= i < tok.vocab_size for i in ids)
-        assert tok.decode(ids) == text
-        assert tok.encode(text, add_bos=False) == ids[1:]
-    assert tok.decode([tok.bos_id, 104, 105, tok.eos_id, tok.pad_id]) == "hi"
-    # A multi-byte character cut short decodes to U+FFFD instead of raising.
-    assert tok.decode(tok.encode("é", add_bos=False)[:1]) == "\ufffd"
-
-
-def test_build_flat_batch_positions_and_slots() -> None:
-    block_size = 2
-    block_tables = paddle.to_tensor([[5, 1], [7, -1], [0, 3], [4, 6], [2, 8]], dtype="int32")
-    input_ids, lens, starts = slot_state(
-        rows=[[10, 11, 12], [30], [20], [], [40]], starts=[0, 2, 2, 0, 4], width=3
-    )
-    batch = build_flat_batch(input_ids, lens, starts, block_tables, block_size)
-
-    assert batch["input_ids"].tolist() == [10, 11, 12, 30, 20, 40]
-    assert batch["positions"].tolist() == [0, 1, 2, 2, 2, 4]
-    assert batch["token_rows"].tolist() == [0, 0, 0, 1, 2, 4]
-    # Row 1's second block is unallocated and row 4's position 4 is past its table: no slot.
-    assert batch["slot_mapping"].tolist() == [10, 11, 2, -1, 6, -1]
-    assert batch["last_token_index"].tolist() == [2, 3, 4, -1, 5]
-    assert batch["max_context_len"] == 5
-    assert batch["block_tables"] is block_tables
-
-    with pytest.raises(ValueError, match="no row has tokens"):
-        build_flat_batch(input_ids, paddle.zeros_like(lens), starts, block_tables, block_size)
-
-
-def test_slot_minus_one_writes_nothing() -> None:
-    cache = PagedKVCache(num_blocks=2, block_size=4, num_layers=2, num_kv_heads=2, head_dim=3)
-    k = paddle.arange(18, dtype="float32").reshape([3, 2, 3]) + 1
-    v = -k
-    cache.write(1, paddle.to_tensor([3, -1, 5], dtype="int64"), k, v)
-
-    keys, values = cache.key.numpy(), cache.value.numpy()
-    np.testing.assert_array_equal(keys[1, 3], k.numpy()[0])
-    np.testing.assert_array_equal(keys[1, 5], k.numpy()[2])
-    np.testing.assert_array_equal(values[1, 5], v.numpy()[2])
-    written = np.zeros(keys.shape, dtype=bool)
-    written[1, [3, 5]] = True
-    # In particular the last slot (where index -1 would wrap) and layer 0 stay empty.
-    assert not keys[~written].any() and not values[~written].any()
-
-    rows = cache.head_major_rows(paddle.to_tensor([[5, 3]], dtype="int64"))
-    got_k, got_v = cache.gather_head_major(1, rows)
-    assert got_k.shape == [1, 2, 2, 3]  # [N, KV heads, K, head_dim]
-    np.testing.assert_array_equal(got_k.numpy()[0, :, 0], k.numpy()[2])
-    np.testing.assert_array_equal(got_v.numpy()[0, :, 1], v.numpy()[0])
-
-    cache.write(0, paddle.to_tensor([-1, -1, -1], dtype="int64"), k, v)
-    assert not cache.key.numpy()[0].any()
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -199,8 +106,7 @@ def test_greedy_decode_paged_equals_naive(model64: LlamaForCausalLM) -> None:
                 cached_len[b] += len(tokens)
         step += 1
 
-    for prompt, tokens in zip(prompts, generated):
-        assert tokens == naive_greedy(model64, prompt, num_new)
+    assert generated == greedy_reference(model64, prompts, num_new)
     # Guards against a degenerate model whose greedy output would match trivially.
     assert len({t for tokens in generated for t in tokens}) > 8
 
@@ -222,3 +128,25 @@ def test_continuation_reads_the_cache_and_prefill_its_own_kv(model64: LlamaForCa
     logits = model64.forward_paged(**build_step([resumed[5:], fresh], [5, 0]), kv_cache=cache)
     expected = model64.forward_naive([resumed, fresh]).numpy()
     np.testing.assert_allclose(logits.numpy(), expected, rtol=1e-9, atol=1e-9)
+
+
+def test_chunk_rows_beside_decode_and_prefill_rows_match_naive(model64: LlamaForCausalLM) -> None:
+    """One step with all three kinds of rows: two chunks of different lengths and starts
+    (each reading its row's keys once, padded), a decode row and a fresh prefill."""
+    rng = np.random.default_rng(12)
+    long_a, long_b, decoding = (rng.integers(0, 256, n).tolist() for n in (17, 11, 10))
+    fresh = rng.integers(0, 256, 3).tolist()
+    block_size, width = 4, 20
+    block_tables = paddle.to_tensor(scrambled_block_tables(4, 5))
+    cache = PagedKVCache.for_config(model64.config, num_blocks=20, block_size=block_size)
+
+    def build_step(rows: list[list[int]], starts: list[int]):
+        return build_flat_batch(*slot_state(rows, starts, width), block_tables, block_size)
+
+    model64.forward_paged(
+        **build_step([long_a[:6], decoding[:9], long_b[:3], []], [0, 0, 0, 0]), kv_cache=cache
+    )
+    step = build_step([long_a[6:], decoding[9:], long_b[3:], fresh], [6, 9, 3, 0])
+    logits = model64.forward_paged(**step, kv_cache=cache).numpy()
+    expected = model64.forward_naive([long_a, decoding, long_b, fresh]).numpy()
+    np.testing.assert_allclose(logits, expected, rtol=1e-9, atol=1e-9)

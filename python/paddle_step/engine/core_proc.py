@@ -1,0 +1,150 @@
+"""The engine process: builds the engine, then applies the server's commands between
+steps and sends each step's results back (``core_messages``).
+
+It steps while anything is waiting or running and sleeps on the command pipe otherwise.
+It exits when told to (``Stop``), when the server's end of the pipe closes (the server
+is gone, killed included), or after sending ``EngineFailed`` when the engine cannot be
+built or raises inside ``step()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import traceback
+
+from .core_messages import (
+    AbortRequest,
+    AddRequest,
+    EngineFailed,
+    Ready,
+    StepOutput,
+    Stop,
+)
+
+__all__ = ["run_engine"]
+
+# While idle, rank 0 broadcasts an empty batch this often, so the other ranks' wait in
+# the collective never runs into the backend's timeout.
+IDLE_TICK_S = 1.0
+
+
+def run_engine(args: argparse.Namespace, commands, events) -> None:
+    """The process target: ``commands`` is the read end of the server's pipe, ``events``
+    the write end of the engine's.
+
+    With ``--tp`` > 1 every rank's engine process runs this; rank 0's receives the
+    commands from its server and broadcasts each batch of them to the others before
+    applying it, so all ranks add and abort the same requests between the same steps
+    and build the same schedule (the schedule itself is never sent).
+    """
+    from .arg_utils import build_engine
+
+    try:
+        engine, loaded = build_engine(args)
+    except Exception as error:  # noqa: BLE001 - sent to the server, which raises it
+        events.send(EngineFailed(f"{type(error).__name__}: {error}", traceback.format_exc()))
+        sys.exit(1)
+    # The server owns this process's lifetime: it stops it with a command, or by closing
+    # the pipe (its own death included). Ctrl-C and a supervisor's SIGTERM reach the whole
+    # process group; ignoring them here lets the server drain its running requests first
+    # (and paddle's own handler would print a crash report for an ordinary shutdown).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    config = engine.config
+    group = loaded.tensor_parallel
+    leader = group is None or group.rank == 0
+    info = {"name": loaded.name, "max_model_len": config.max_model_len,
+            "max_batch": config.max_batch,
+            "vocab_size": loaded.model.config.vocab_size,
+            "kv_total_blocks": config.num_decoder_blocks,
+            "kv_encoder_total_blocks": config.num_encoder_blocks,
+            "threads": engine.threads}  # fmt: skip
+    events.send(Ready(info, _stats(engine)))
+    request_ids: dict[int, int] = {}  # server key -> engine request id
+    keys: dict[int, int] = {}  # engine request id -> server key
+    while True:
+        output = StepOutput()
+        batch = _next_commands(engine, commands) if leader else []
+        if group is not None:
+            batch = _broadcast(batch)
+        for command in batch:
+            if isinstance(command, Stop):
+                return
+            if isinstance(command, AddRequest):
+                params = command.params
+                try:
+                    request_id = engine.add_request(
+                        command.prompt_ids, params.max_new_tokens,
+                        [] if params.ignore_eos else None, params.temperature, params.top_p,
+                        seed=params.seed,
+                    )  # fmt: skip
+                except ValueError as error:
+                    output.refused.append((command.key, str(error)))
+                    continue
+                request_ids[command.key], keys[request_id] = request_id, command.key
+            elif isinstance(command, AbortRequest) and command.key in request_ids:
+                engine.abort(request_ids.pop(command.key))
+        if engine.has_unfinished():
+            try:
+                finished = engine.step()  # its time goes into engine.stats.elapsed
+            except Exception as error:  # noqa: BLE001 - every client gets it
+                events.send(
+                    EngineFailed(
+                        f"engine step failed: {type(error).__name__}: {error}",
+                        traceback.format_exc(),
+                    )
+                )
+                sys.exit(1)
+            output.tokens = [(keys[request_id], token)
+                             for request_id, token in engine.last_step_tokens
+                             if request_id in keys]  # fmt: skip
+            output.cached = [(keys[request_id], cached)
+                             for request_id, cached in engine.last_step_admitted
+                             if request_id in keys]  # fmt: skip
+            for result in finished:
+                key = keys.pop(result.request_id)
+                request_ids.pop(key, None)
+                output.finished.append((key, result.finish_reason))
+        if leader and (output.tokens or output.finished or output.refused or batch
+                       or engine.has_unfinished()):  # fmt: skip
+            output.stats = _stats(engine)
+            events.send(output)
+
+
+def _next_commands(engine, commands) -> list:
+    """The commands that arrived; waits for one only when there is nothing to step (at
+    most ``IDLE_TICK_S``). A server that is gone counts as a stop."""
+    batch: list = []
+    wait = None if engine.has_unfinished() else IDLE_TICK_S
+    try:
+        while commands.poll(0 if batch or wait is None else wait):
+            batch.append(commands.recv())
+    except (EOFError, OSError):
+        batch.append(Stop())
+    return batch
+
+
+def _broadcast(batch: list) -> list:
+    """Rank 0's command batch, on every rank."""
+    import paddle.distributed as dist
+
+    holder = [batch]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def _stats(engine) -> dict:
+    """The counters ``/metrics`` shows, after the latest step."""
+    return {
+        "kv_free_blocks": engine.free_decoder_blocks,
+        "kv_encoder_free_blocks": engine.encoder_blocks.num_free,
+        "requests_running": engine.num_running,
+        "requests_waiting": engine.num_waiting + engine.num_preempted,
+        "preemptions": engine.stats.preemptions,
+        "generated_tokens": engine.stats.generated_tokens,
+        "step_seconds": engine.stats.elapsed,
+        "prefix_cache_queries": engine.stats.prompt_tokens_queried,
+        "prefix_cache_hits": engine.stats.prompt_tokens_hit,
+    }

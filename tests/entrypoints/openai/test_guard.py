@@ -1,0 +1,166 @@
+"""What a client cannot get past: the API key, the body size limit, the waiting-queue
+limit, prompts longer than the context, and text that is not Unicode. Each refusal is in
+OpenAI's error format, and the next request succeeds. One real server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from paddle_step.testing.server_process import spawn_server
+
+KEY = "test-key-0123"
+MAX_REQUEST_BYTES = 200_000
+MAX_BATCH, MAX_WAITING = 2, 2
+FLAGS = [
+    "--api-key", KEY,
+    "--max-request-bytes", str(MAX_REQUEST_BYTES),
+    "--max-batch", str(MAX_BATCH),
+    "--max-waiting", str(MAX_WAITING),
+    "--max-model-len", "256",
+]  # fmt: skip
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def url():
+    with spawn_server(FLAGS) as server:
+        yield server.url
+
+
+def post(url: str, body, path: str = "/v1/completions", headers=AUTH) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body, headers=headers, timeout=60)
+
+
+def check_error(response: httpx.Response, status: int, words: str) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == status and error["type"] and words in error["message"], error
+
+
+def check_serving(url: str) -> None:
+    good = post(url, {"model": "pydoc-tiny", "prompt": "A list is", "max_tokens": 3})
+    assert good.status_code == 200, good.text
+    assert good.json()["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": "Bearer"}],
+    ids=["none", "wrong", "no-bearer", "empty"],
+)
+def test_v1_needs_the_api_key(url, headers):
+    body = {"model": "pydoc-tiny", "prompt": "A list is", "max_tokens": 3}
+    check_error(post(url, body, headers=headers), 401, "API key")
+    response = httpx.get(f"{url}/v1/models", headers=headers, timeout=10)
+    check_error(response, 401, "API key")
+    assert response.headers["www-authenticate"] == "Bearer"
+    check_serving(url)
+
+
+def test_health_and_metrics_stay_open(url):
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    metrics = httpx.get(f"{url}/metrics", timeout=10)
+    assert metrics.status_code == 200 and "paddle_step_kv_free_blocks" in metrics.text
+    assert httpx.get(f"{url}/v1/models", headers=AUTH, timeout=10).status_code == 200
+
+
+def test_body_over_the_limit_gets_413(url):
+    body = {"model": "pydoc-tiny", "prompt": "x" * MAX_REQUEST_BYTES, "max_tokens": 3}
+    check_error(post(url, body), 413, f"limit of {MAX_REQUEST_BYTES} bytes")
+
+    def chunked():  # no content-length: the limit holds while reading
+        yield b'{"model": "pydoc-tiny", "prompt": "'
+        for _ in range(MAX_REQUEST_BYTES // 10_000 + 1):
+            yield b"y" * 10_000
+        yield b'"}'
+
+    response = httpx.post(
+        f"{url}/v1/completions",
+        content=chunked(),
+        headers={**AUTH, "content-type": "application/json"},
+        timeout=60,
+    )
+    check_error(response, 413, "limit")
+    check_serving(url)
+
+
+def test_prompt_longer_than_the_context_gets_400_without_tokenizing(url):
+    # 150 kB of text is far past what 256 tokens of this tokenizer can hold.
+    for path, body in [
+        ("/v1/completions", {"prompt": "The for statement " * 8_000}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab " * 50_000}]}),
+    ]:
+        response = post(url, {"model": "pydoc-tiny", "max_tokens": 3, **body}, path)
+        check_error(response, 400, "longer than the model's context of 256 tokens")
+    check_serving(url)
+
+
+def test_more_than_max_waiting_gets_429_with_retry_after(url):
+    body = {"model": "pydoc-tiny", "prompt": "A list is", "max_tokens": 200, "ignore_eos": True}
+    total = 3 * (MAX_BATCH + MAX_WAITING)
+
+    async def send_all():
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as c:
+            return await asyncio.gather(
+                *(c.post(f"{url}/v1/completions", json=body, headers=AUTH) for _ in range(total))
+            )
+
+    responses = asyncio.run(send_all())
+    statuses = sorted(response.status_code for response in responses)
+    assert set(statuses) == {200, 429}, statuses
+    assert statuses.count(200) <= MAX_BATCH + MAX_WAITING
+    for response in responses:
+        if response.status_code == 429:
+            check_error(response, 429, "retry later")
+            assert response.headers["retry-after"] == "1"
+        else:
+            assert response.json()["usage"]["completion_tokens"] == 200
+    check_serving(url)
+
+
+SURROGATE = "x\ud800y"
+SURROGATE_BODIES = {
+    "prompt": ("/v1/completions", {"prompt": SURROGATE}),
+    "prompt-list": ("/v1/completions", {"prompt": [SURROGATE]}),
+    "stop": ("/v1/completions", {"prompt": "hi", "stop": SURROGATE}),
+    "stop-list": ("/v1/completions", {"prompt": "hi", "stop": ["a", SURROGATE]}),
+    "model": ("/v1/completions", {"prompt": "hi", "model": SURROGATE}),
+    "user": ("/v1/completions", {"prompt": "hi", "user": SURROGATE}),
+    "extra": ("/v1/completions", {"prompt": "hi", "metadata": {SURROGATE: 1}}),
+    "chat-content": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": SURROGATE}]},
+    ),
+    "chat-model": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "model": SURROGATE},
+    ),
+    "chat-stop": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "stop": [SURROGATE]},
+    ),
+    "chat-user": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "user": SURROGATE},
+    ),
+}
+
+
+@pytest.mark.parametrize("field", list(SURROGATE_BODIES))
+def test_a_lone_surrogate_in_any_string_gets_400(url, field):
+    path, fields = SURROGATE_BODIES[field]
+    body = {"model": "pydoc-tiny", "max_tokens": 3, **fields}
+    raw = json.dumps(body).encode()  # ASCII JSON: the surrogate travels as \ud800
+    assert b"\\ud800" in raw
+    response = httpx.post(
+        f"{url}{path}",
+        content=raw,
+        headers={**AUTH, "content-type": "application/json"},
+        timeout=60,
+    )
+    check_error(response, 400, "lone surrogate")
+    check_serving(url)

@@ -1,0 +1,55 @@
+"""The paged KV cache and the flat batch of one step: positions, slot mapping through the
+block tables, writes that skip slot -1, head-major gathers."""
+
+import numpy as np
+import paddle
+import pytest
+
+from paddle_step.layers.paged_attention import PagedKVCache, build_flat_batch
+from paddle_step.testing.paged_batches import slot_state
+
+
+def test_build_flat_batch_positions_and_slots() -> None:
+    block_size = 2
+    block_tables = paddle.to_tensor([[5, 1], [7, -1], [0, 3], [4, 6], [2, 8]], dtype="int32")
+    input_ids, lens, starts = slot_state(
+        rows=[[10, 11, 12], [30], [20], [], [40]], starts=[0, 2, 2, 0, 4], width=3
+    )
+    batch = build_flat_batch(input_ids, lens, starts, block_tables, block_size)
+
+    assert batch["input_ids"].tolist() == [10, 11, 12, 30, 20, 40]
+    assert batch["positions"].tolist() == [0, 1, 2, 2, 2, 4]
+    assert batch["token_rows"].tolist() == [0, 0, 0, 1, 2, 4]
+    # Row 1's second block is unallocated and row 4's position 4 is past its table: no slot.
+    assert batch["slot_mapping"].tolist() == [10, 11, 2, -1, 6, -1]
+    assert batch["last_token_index"].tolist() == [2, 3, 4, -1, 5]
+    assert batch["max_context_len"] == 5
+    assert batch["block_tables"] is block_tables
+
+    with pytest.raises(ValueError, match="no row has tokens"):
+        build_flat_batch(input_ids, paddle.zeros_like(lens), starts, block_tables, block_size)
+
+
+def test_slot_minus_one_writes_nothing() -> None:
+    cache = PagedKVCache(num_blocks=2, block_size=4, num_layers=2, num_kv_heads=2, head_dim=3)
+    k = paddle.arange(18, dtype="float32").reshape([3, 2, 3]) + 1
+    v = -k
+    cache.write(1, paddle.to_tensor([3, -1, 5], dtype="int64"), k, v)
+
+    keys, values = cache.key.numpy(), cache.value.numpy()
+    np.testing.assert_array_equal(keys[1, 3], k.numpy()[0])
+    np.testing.assert_array_equal(keys[1, 5], k.numpy()[2])
+    np.testing.assert_array_equal(values[1, 5], v.numpy()[2])
+    written = np.zeros(keys.shape, dtype=bool)
+    written[1, [3, 5]] = True
+    # In particular the last slot (where index -1 would wrap) and layer 0 stay empty.
+    assert not keys[~written].any() and not values[~written].any()
+
+    rows = cache.head_major_rows(paddle.to_tensor([[5, 3]], dtype="int64"))
+    got_k, got_v = cache.gather_head_major(1, rows)
+    assert got_k.shape == [1, 2, 2, 3]  # [N, KV heads, K, head_dim]
+    np.testing.assert_array_equal(got_k.numpy()[0, :, 0], k.numpy()[2])
+    np.testing.assert_array_equal(got_v.numpy()[0, :, 1], v.numpy()[0])
+
+    cache.write(0, paddle.to_tensor([-1, -1, -1], dtype="int64"), k, v)
+    assert not cache.key.numpy()[0].any()
