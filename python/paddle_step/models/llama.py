@@ -377,7 +377,8 @@ class LlamaForCausalLM(nn.Layer):
         block_tables: paddle.Tensor,
         max_context_len: int,
         kv_cache: PagedKVCache,
-    ) -> paddle.Tensor:
+        extra_index: paddle.Tensor | None = None,
+    ) -> paddle.Tensor | tuple[paddle.Tensor, paddle.Tensor]:
         """One serving step over a flattened batch of T tokens from B block-table rows.
 
         Args (see ``FlatBatch``; ``build_flat_batch`` makes them from slot-indexed state):
@@ -398,7 +399,9 @@ class LlamaForCausalLM(nn.Layer):
         read theirs back from the cache (so earlier steps' K/V must be there): once per row
         for a row of several tokens (a prompt chunk), once per token for a decode row. Returns
         logits [R, vocab] of the tokens ``last_token_index`` names; -1 gets zeros (the LM
-        head runs on every index given: pass only the rows that sample).
+        head runs on every index given: pass only the rows that sample). With
+        ``extra_index`` ([N] int64 flat token indices), also the logits [N, vocab] of those
+        tokens (prompt logprobs), as a pair.
         """
         layout = PrefillLayout(positions.numpy(), token_rows.numpy())
         kept_slots = KeptSlots(slot_mapping)
@@ -484,4 +487,6 @@ class LlamaForCausalLM(nn.Layer):
         no_token = last_token_index < 0
         if bool(no_token.any()):  # [R, vocab] of zeros and a select: only when asked for
             logits = paddle.where(no_token.unsqueeze(1), paddle.zeros_like(logits), logits)
-        return logits
+        if extra_index is None:
+            return logits
+        return logits, self._logits(paddle.gather(hidden, extra_index))
