@@ -223,7 +223,8 @@ def test_example_reduces_max_model_len_to_the_kv_budget():
     "args,message",
     [
         (("--model", "/nonexistent/checkpoint"), "expected a directory"),
-        (("--chat",), "chat template"),
+        # The golden checkpoint's tokenizer_config.json has no chat template.
+        (("--model", str(GOLDEN_LLAMA), "--chat"), "chat template"),
         (("--max-model-len", "100000"), "expected at most the model's context (256)"),
         (("--prompt", "word " * 300), "expected <= max_model_len (256)"),
     ],
