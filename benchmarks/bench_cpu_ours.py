@@ -24,6 +24,7 @@ from paddle_step.config import EngineConfig  # noqa: E402
 from paddle_step.engine.llm_engine import Engine  # noqa: E402
 from paddle_step.errors import CheckpointError  # noqa: E402
 from paddle_step.model_loader.loader import load_checkpoint  # noqa: E402
+from paddle_step.sampling_params import SamplingParams  # noqa: E402
 
 BLOCK_SIZE = 16
 # Weight formats this worker knows, as load_checkpoint's keyword arguments.
@@ -64,7 +65,7 @@ def generate(model, prompts: list, new_tokens: int, threads: int) -> dict:
     engine = Engine(model, config)
     start = time.perf_counter()
     for prompt in prompts:
-        engine.add_request(prompt, new_tokens, eos_token_id=[])
+        engine.add_request(prompt, SamplingParams(max_tokens=new_tokens, eos_token_id=[]))
     results = {}
     while engine.has_unfinished():
         results.update((r.request_id, r.token_ids) for r in engine.step())

@@ -11,14 +11,15 @@ Each timed step is split by wrapping, in this process only, the engine's phases 
 ``time.perf_counter_ns`` timers (nothing in the engine is changed):
 
 - ``forward``: ``ModelRunner.forward`` (flat batch, paged-attention forward, logits);
-- ``sampling``: ``sample_tokens`` (+ ``Engine._uniforms``);
+- ``sampling``: ``ModelRunner.sample`` (controls, logprobs, the draw) + ``Engine._uniforms``;
 - ``post_process``: ``ModelRunner.update_inputs`` (FastDeploy's update_inputs, in Paddle ops);
 - ``step_paddle``: the op call itself;
 - ``advance_step``: ``ModelRunner.advance_decode_inputs`` (two assigns + the op), and
   ``advance_step_op``: the op call alone;
 - ``host``: ``ModelRunner.sync_host`` (the one copy back), ``Scheduler.record`` (host
   mirrors), ``Engine._count`` (stats), ``Scheduler.retire`` + ``ModelRunner.clear_slots``;
-- ``admit``: ``Scheduler.admit`` + ``ModelRunner.write_admitted``; ``other``: the rest of
+- ``admit``: ``Scheduler.schedule`` (admission, prefill chunks) +
+  ``ModelRunner.write_admitted`` and ``write_prefill_chunks``; ``other``: the rest of
   ``Engine.step``.
 
 ``bookkeeping`` = step - forward (everything but the model forward, sampling included);
@@ -75,6 +76,7 @@ from paddle_step.engine.llm_engine import Engine  # noqa: E402
 from paddle_step.layers.dense_blocks import onednn_available  # noqa: E402
 from paddle_step.model_loader.loader import load_checkpoint  # noqa: E402
 from paddle_step.models.llama import LlamaForCausalLM  # noqa: E402
+from paddle_step.sampling_params import SamplingParams  # noqa: E402
 from paddle_step.spec.tensor_table import STEP_PADDLE_OUTPUTS, STEP_PADDLE_TENSORS  # noqa: E402
 
 FULL_BATCHES = (1, 8, 64, 256)
@@ -154,10 +156,12 @@ class StepProbe:
     def _methods(self):
         engine = self.engine
         return (
-            ("admit", engine.scheduler, "admit"),
+            ("admit", engine.scheduler, "schedule"),
             ("admit", engine.runner, "write_admitted"),
+            ("admit", engine.runner, "write_prefill_chunks"),
             ("forward", engine.runner, "forward"),
             ("sampling", engine, "_uniforms"),
+            ("sampling", engine.runner, "sample"),
             ("post_process", engine.runner, "update_inputs"),
             ("advance_step", engine.runner, "advance_decode_inputs"),
             ("host", engine.runner, "sync_host"),
@@ -171,10 +175,8 @@ class StepProbe:
         for phase, owner, attr in self._methods():
             setattr(owner, attr, self._timed(phase, getattr(owner, attr)))
         self._saved = {
-            name: getattr(runner_module, name)
-            for name in ("sample_tokens", "step_paddle", "advance_step")
+            name: getattr(runner_module, name) for name in ("step_paddle", "advance_step")
         }
-        runner_module.sample_tokens = self._timed("sampling", self._saved["sample_tokens"])
         runner_module.step_paddle = self._op_probe(
             "step_paddle",
             self._saved["step_paddle"],
@@ -214,7 +216,9 @@ def make_engine(batch: int, seed: int) -> tuple[Engine, list]:
     for _ in range(batch):
         length = int(rng.integers(PROMPT_LEN_RANGE[0], PROMPT_LEN_RANGE[1] + 1))
         # No tokenizer was given, so no eos stop: every slot decodes MAX_NEW_TOKENS.
-        engine.add_request(rng.integers(1, vocab, length).tolist(), MAX_NEW_TOKENS)
+        engine.add_request(
+            rng.integers(1, vocab, length).tolist(), SamplingParams(max_tokens=MAX_NEW_TOKENS)
+        )
     return engine, config
 
 
@@ -463,7 +467,7 @@ def run_engine(model, prompts: list, new_tokens: int) -> dict:
     steps = []  # (step ns, forward ns)
     try:
         for prompt in prompts:
-            engine.add_request(prompt, new_tokens, eos_token_id=[])
+            engine.add_request(prompt, SamplingParams(max_tokens=new_tokens, eos_token_id=[]))
         results = {}
         start = time.perf_counter()
         while engine.has_unfinished():

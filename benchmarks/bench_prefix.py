@@ -33,6 +33,7 @@ from paddle_step.config import EngineConfig
 from paddle_step.engine.arg_utils import DEFAULT_MODEL
 from paddle_step.engine.llm_engine import Engine
 from paddle_step.model_loader.loader import load_checkpoint
+from paddle_step.sampling_params import SamplingParams
 
 OUT_TOKENS = 32
 # bench_decode's shapes, and the shipped model's shape with a 2048-token context (its own
@@ -122,12 +123,14 @@ def run_shared_prefix(loaded, prompts, args, caching: bool) -> dict:
     started = time.perf_counter()
     while pending or engine.has_unfinished():
         while pending and in_flight < args.concurrency:
-            added[engine.add_request(pending.pop(0), OUT_TOKENS)] = time.perf_counter()
+            added[engine.add_request(pending.pop(0), SamplingParams(max_tokens=OUT_TOKENS))] = (
+                time.perf_counter()
+            )
             in_flight += 1
         finished = engine.step()
         now = time.perf_counter()
-        for request_id, _token in engine.last_step_tokens:
-            first.setdefault(request_id, now)
+        for token in engine.last_step_outputs:
+            first.setdefault(token.request_id, now)
         in_flight -= len(finished)
     elapsed = time.perf_counter() - started
     ttft = [first[request_id] - added[request_id] for request_id in added]
@@ -153,7 +156,9 @@ def run_long_prompt(loaded, args, budget: int | None) -> dict:
     context = engine.config.max_model_len
     long_prompt = rng.integers(2, vocab, context - 2 * block_size).tolist()
     streams = [
-        engine.add_request(rng.integers(2, vocab, 8).tolist(), context - 8)
+        engine.add_request(
+            rng.integers(2, vocab, 8).tolist(), SamplingParams(max_tokens=context - 8)
+        )
         for _ in range(args.streams)
     ]
     last_token: dict[int, float] = {}
@@ -162,11 +167,11 @@ def run_long_prompt(loaded, args, budget: int | None) -> dict:
     steps_after_first = 0
     while steps_after_first < 8:
         if engine.stats.steps == 4:
-            long_id = engine.add_request(long_prompt, 16)
+            long_id = engine.add_request(long_prompt, SamplingParams(max_tokens=16))
             arrived = time.perf_counter()
         engine.step()
         now = time.perf_counter()
-        tokens = dict(engine.last_step_tokens)
+        tokens = {token.request_id: token.token_id for token in engine.last_step_outputs}
         for request_id in streams:
             if request_id in tokens:
                 if arrived is not None and request_id in last_token:

@@ -23,6 +23,7 @@ import httpx
 import numpy as np
 
 from paddle_step.engine.arg_utils import add_engine_arguments, build_engine, check_engine_arguments
+from paddle_step.sampling_params import SamplingParams
 from paddle_step.testing.server_process import metric, server_process
 
 PROMPT_STARTS = [
@@ -158,9 +159,11 @@ def offline_tokens_per_s(args: argparse.Namespace, prompts: list[str]) -> tuple[
     """``Engine.generate`` throughput on the same prompts, flags and lengths; the model name."""
     engine, loaded = build_engine(args)
     ids = [loaded.tokenizer.encode(prompt) for prompt in prompts]
-    engine.generate(ids[:2], 2, eos_token_id=[])  # warm-up, as the server has had one
+    engine.generate(
+        ids[:2], SamplingParams(max_tokens=2, eos_token_id=[])
+    )  # warm-up, as the server has had one
     started = time.perf_counter()
-    results = engine.generate(ids, args.max_tokens, eos_token_id=[])
+    results = engine.generate(ids, SamplingParams(max_tokens=args.max_tokens, eos_token_id=[]))
     elapsed = time.perf_counter() - started
     return sum(len(r.token_ids) for r in results) / elapsed, loaded.name
 

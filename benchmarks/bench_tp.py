@@ -26,6 +26,7 @@ from paddle_step.config import EngineConfig, ModelConfig
 from paddle_step.distributed.tensor_parallel import init_tensor_parallel, shard_model
 from paddle_step.engine.llm_engine import Engine
 from paddle_step.models.llama import LlamaForCausalLM
+from paddle_step.sampling_params import SamplingParams
 
 
 def main() -> None:
@@ -59,9 +60,9 @@ def main() -> None:
     )
     engine = Engine(model, engine_config, eos_token_ids=[])
     prompts = np.random.default_rng(0).integers(0, 49152, (args.num_requests, args.prompt_len))
-    engine.generate(prompts[:1].tolist(), 2)  # warm-up
+    engine.generate(prompts[:1].tolist(), SamplingParams(max_tokens=2))  # warm-up
     started = time.perf_counter()
-    results = engine.generate(prompts.tolist(), args.max_new_tokens)
+    results = engine.generate(prompts.tolist(), SamplingParams(max_tokens=args.max_new_tokens))
     elapsed = time.perf_counter() - started
     if group is None or group.rank == 0:
         tokens = sum(len(result.token_ids) for result in results)

@@ -22,7 +22,7 @@ import httpx
 from bench_serve import engine_flags, make_prompts
 
 from paddle_step.engine.arg_utils import add_engine_arguments, check_engine_arguments
-from paddle_step.testing.server_process import spawn_server
+from paddle_step.testing.server_process import metrics, spawn_server
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,15 +51,6 @@ def rss_mib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as status:
         [kib] = re.findall(r"^VmRSS:\s+(\d+) kB", status.read(), re.MULTILINE)
     return int(kib) / 1024
-
-
-def metrics(url: str) -> dict[str, float]:
-    values = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("paddle_step_"):
-            name, value = line.split()
-            values[name] = float(value)
-    return values
 
 
 async def one_request(client: httpx.AsyncClient, url: str, body: dict, cancel_after: int | None):

@@ -41,6 +41,7 @@ from paddle_step.engine.arg_utils import (
 from paddle_step.engine.cpu_threads import default_threads, set_compute_threads
 from paddle_step.engine.naive import generate_naive
 from paddle_step.engine.outputs import GenerationResult, GenerationStats
+from paddle_step.sampling_params import SamplingParams
 from paddle_step.spec.check_state import StateError
 
 try:  # optional: only the progress bar needs it
@@ -147,6 +148,12 @@ def run(
         loaded = load_model(args)
         prompts = encode_prompts(args, loaded)
         eos = [] if args.ignore_eos else loaded.eos_token_ids
+        params = SamplingParams(
+            max_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            eos_token_id=eos,
+        )
         if args.naive:
             engine, config = None, engine_config(args, loaded.context_len)
         else:
@@ -161,24 +168,14 @@ def run(
             results, stats = generate_naive(
                 loaded.model,
                 prompts,
-                args.max_new_tokens,
-                eos_token_id=eos,
-                temperature=args.temperature,
-                top_p=args.top_p,
+                params,
                 seed=args.seed,
                 max_model_len=config.max_model_len,
                 on_finished=update,
             )
             return loaded, results, stats
         try:
-            results = engine.generate(
-                prompts,
-                args.max_new_tokens,
-                eos_token_id=eos,
-                temperature=args.temperature,
-                top_p=args.top_p,
-                on_finished=update,
-            )
+            results = engine.generate(prompts, params, on_finished=update)
         except StateError:  # --check-state found a broken state: a bug, keep the trace
             raise
         except RankDivergenceError as error:  # --check-ranks: the message names the tensor

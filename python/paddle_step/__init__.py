@@ -27,6 +27,7 @@ _LAZY = {
     "GenerationResult": ".engine.outputs",
     "GenerationStats": ".engine.outputs",
     "EngineConfig": ".config",
+    "SamplingParams": ".sampling_params",
     "ModelConfig": ".config",
     "load_checkpoint": ".model_loader.loader",
     "CheckpointError": ".errors",

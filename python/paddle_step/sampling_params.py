@@ -82,32 +82,59 @@ class SamplingParams:
     constraint: TokenConstraint | None = None
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 0, "max_tokens",
-               "an int >= 0", self.max_tokens)
+        _check(
+            _is_int(self.max_tokens) and self.max_tokens >= 0,
+            "max_tokens",
+            "an int >= 0",
+            self.max_tokens,
+        )
         _check(self.temperature >= 0.0, "temperature", ">= 0", self.temperature)
         _check(0.0 < self.top_p <= 1.0, "top_p", "a value in (0, 1]", self.top_p)
-        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k",
-               "an int >= 0 (0 or -1: off)", self.top_k)
+        _check(
+            _is_int(self.top_k) and self.top_k >= -1,
+            "top_k",
+            "an int >= 0 (0 or -1: off)",
+            self.top_k,
+        )
         _check(0.0 <= self.min_p <= 1.0, "min_p", "a value in [0, 1]", self.min_p)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(-2.0 <= value <= 2.0, name, "a value in [-2, 2]", value)
-        _check(self.repetition_penalty > 0.0, "repetition_penalty", "> 0",
-               self.repetition_penalty)
-        _check(all(_is_int(token) for token in self.logit_bias), "logit_bias",
-               "a map of token ids to biases", self.logit_bias)
-        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens, "min_tokens",
-               "an int >= 0", self.min_tokens)
-        _check(all(_is_int(token) for token in self.stop_token_ids), "stop_token_ids",
-               "a list of token ids", self.stop_token_ids)
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", "> 0", self.repetition_penalty)
+        _check(
+            all(_is_int(token) for token in self.logit_bias),
+            "logit_bias",
+            "a map of token ids to biases",
+            self.logit_bias,
+        )
+        _check(
+            _is_int(self.min_tokens) and 0 <= self.min_tokens,
+            "min_tokens",
+            "an int >= 0",
+            self.min_tokens,
+        )
+        _check(
+            all(_is_int(token) for token in self.stop_token_ids),
+            "stop_token_ids",
+            "a list of token ids",
+            self.stop_token_ids,
+        )
         _check(self.seed is None or _is_int(self.seed), "seed", "None or an int", self.seed)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
-                   f"None or an int in [0, {MAX_LOGPROBS}]", value)
+            _check(
+                value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
+                name,
+                f"None or an int in [0, {MAX_LOGPROBS}]",
+                value,
+            )
         _check(_is_int(self.n) and self.n >= 1, "n", "an int >= 1", self.n)
-        _check(self.best_of is None or (_is_int(self.best_of) and self.best_of >= self.n),
-               "best_of", f"None or an int >= n ({self.n})", self.best_of)
+        _check(
+            self.best_of is None or (_is_int(self.best_of) and self.best_of >= self.n),
+            "best_of",
+            f"None or an int >= n ({self.n})",
+            self.best_of,
+        )
 
     @property
     def greedy(self) -> bool:

@@ -98,6 +98,14 @@ def test_bench_decode_quick_json():
             assert alloc["allocated_bytes_per_call_max"] == 0
 
 
+def test_bench_sampler_quick_json():
+    report = run_json("bench_sampler.py")
+    assert [row["mode"] for row in report["results"]] == ["greedy", "all", "all+constraint"]
+    for row in report["results"]:
+        assert row["step_us"] > row["sampling_us"] > 0
+        assert 0 < row["sampling_share"] < 1
+
+
 def test_soak_serve_quick_json():
     """200 streaming requests from 32 clients, 20% closed mid-stream: none fails, and no
     request or KV block is held once every client has left."""

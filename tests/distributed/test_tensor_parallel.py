@@ -25,6 +25,7 @@ from paddle_step.engine.arg_utils import build_engine
 from paddle_step.entrypoints.openai.cli import parse_args as serve_parse_args
 from paddle_step.layers import cpu_linear
 from paddle_step.model_loader.loader import load_checkpoint
+from paddle_step.sampling_params import SamplingParams
 from paddle_step.testing.server_process import free_port, metric, wait_for_health
 
 REPO = Path(__file__).resolve().parents[2]
@@ -267,7 +268,7 @@ def test_server_with_tp2_serves_tp1_text_and_frees_everything(tmp_path):
         ids = [loaded.tokenizer.encode(prompt) for prompt in prompts]
         expected = [
             loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-            for result in engine.generate(ids, 20, eos_token_id=[])
+            for result in engine.generate(ids, SamplingParams(max_tokens=20, eos_token_id=[]))
         ]
         assert engine.stats.preemptions > 0
         with ThreadPoolExecutor(len(prompts) + 1) as pool:

@@ -12,6 +12,14 @@ from paddle_step.config import EngineConfig, ModelConfig
 from paddle_step.engine.llm_engine import Engine
 from paddle_step.engine.naive import generate_naive
 from paddle_step.models.llama import LlamaForCausalLM
+from paddle_step.sampling_params import SamplingParams
+
+
+def limited(max_tokens: int | list[int], **fields) -> SamplingParams | list[SamplingParams]:
+    """SamplingParams of ``max_tokens`` (one, or one per entry of a list) and ``fields``."""
+    if isinstance(max_tokens, list):
+        return [SamplingParams(max_tokens=limit, **fields) for limit in max_tokens]
+    return SamplingParams(max_tokens=max_tokens, **fields)
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +48,12 @@ class TokenCounter:
         self.steps: list[np.ndarray] = []
         forward = engine.runner.forward
 
-        def counted():
+        def counted(logit_rows):
             state = engine.state
             lens = state.seq_lens_this_time.numpy().reshape(-1).copy()
             lens[state.stop_flags.numpy().reshape(-1)] = 0
             self.steps.append(lens)
-            return forward()
+            return forward(logit_rows)
 
         engine.runner.forward = counted
 
@@ -64,7 +72,7 @@ class TokenCounter:
 )
 def test_chunked_prefill_is_exact_within_its_budget(model, caching, budget, tight) -> None:
     prompts, limits = workload(1)
-    expected = [r.token_ids for r in generate_naive(model, prompts, limits)[0]]
+    expected = [r.token_ids for r in generate_naive(model, prompts, limited(limits))[0]]
     # Tight: a pool of 8 blocks, one whole sequence, and no spare prompt block, so three
     # decoding slots soon need more.
     kv = dict(num_kv_blocks=40, decoder_pool_ratio=0.2, enc_dec_block_num=0)
@@ -78,7 +86,7 @@ def test_chunked_prefill_is_exact_within_its_budget(model, caching, budget, tigh
     )
     engine = Engine(model, config, check_state=True)
     counter = TokenCounter(engine)
-    results = engine.generate(prompts, limits)
+    results = engine.generate(prompts, limited(limits))
     assert [r.token_ids for r in results] == expected
     assert max(lens.sum() for lens in counter.steps) <= budget
     if budget < 14:
@@ -94,14 +102,14 @@ def test_a_prompt_mid_prefill_is_never_sampled_and_decodes_go_first(model) -> No
     )
     engine = Engine(model, config, check_state=True)
     counter = TokenCounter(engine)
-    short = [engine.add_request([5, 6], 12), engine.add_request([7], 12)]
+    short = [engine.add_request([5, 6], limited(12)), engine.add_request([7], limited(12))]
     engine.step()  # both prompts run: 3 tokens
-    long_id = engine.add_request(long_prompt, 4)
+    long_id = engine.add_request(long_prompt, limited(4))
     first_token_step = None
     results = {}
     while engine.has_unfinished():
         results.update((r.request_id, r.token_ids) for r in engine.step())
-        tokens_by_id = dict(engine.last_step_tokens)
+        tokens_by_id = {t.request_id: t.token_id for t in engine.last_step_outputs}
         if long_id in tokens_by_id and first_token_step is None:
             first_token_step = len(counter.steps)
         decoding = counter.steps[-1][:2]
@@ -111,7 +119,7 @@ def test_a_prompt_mid_prefill_is_never_sampled_and_decodes_go_first(model) -> No
     assert [lens[2] for lens in counter.steps[1:5]] == [7, 7, 7, 6]
     assert first_token_step == 5
     prompts = [[5, 6], [7], long_prompt]
-    expected = [r.token_ids for r in generate_naive(model, prompts, [12, 12, 4])[0]]
+    expected = [r.token_ids for r in generate_naive(model, prompts, limited([12, 12, 4]))[0]]
     assert [results[i] for i in [*short, long_id]] == expected
 
 
@@ -132,7 +140,7 @@ def test_seeded_sampling_is_the_same_under_every_setting(model, settings) -> Non
 
     def sampled(engine: Engine) -> list[list[int]]:
         ids = [
-            engine.add_request(prompt, limit, temperature=0.9, top_p=0.95, seed=100 + i)
+            engine.add_request(prompt, limited(limit, temperature=0.9, top_p=0.95, seed=100 + i))
             for i, (prompt, limit) in enumerate(zip(prompts, limits))
         ]
         results = {}

@@ -11,6 +11,7 @@ from paddle_step.engine.arg_utils import add_engine_arguments, engine_config
 from paddle_step.engine.cpu_threads import available_cores, default_threads
 from paddle_step.engine.llm_engine import Engine
 from paddle_step.models.llama import LlamaForCausalLM
+from paddle_step.sampling_params import SamplingParams
 
 BASE = dict(max_batch=2, max_model_len=16, block_size=4, num_kv_blocks=16)
 
@@ -55,7 +56,9 @@ def test_waiting_for_prompt_blocks_with_free_slots_is_logged_once(caplog) -> Non
     config = EngineConfig(max_batch=4, max_model_len=16, block_size=4, num_kv_blocks=12)
     engine = Engine(LlamaForCausalLM(ModelConfig()), config)
     with caplog.at_level(logging.WARNING, logger="paddle_step.engine.scheduler"):
-        engine.generate([[token] * 5 for token in (1, 2, 3, 4)], 2, eos_token_id=[])
+        engine.generate(
+            [[token] * 5 for token in (1, 2, 3, 4)], SamplingParams(max_tokens=2, eos_token_id=[])
+        )
     waits = [r for r in caplog.records if "waits for" in r.getMessage()]
     assert len(waits) == 1
     assert "5-token prompt waits for 3 prompt blocks" in waits[0].getMessage()

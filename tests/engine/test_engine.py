@@ -12,6 +12,7 @@ from paddle_step.engine.llm_engine import Engine
 from paddle_step.engine.slot_state import ShareInputs
 from paddle_step.layers.sampler import sample_tokens
 from paddle_step.models.llama import LlamaForCausalLM
+from paddle_step.sampling_params import SamplingParams
 from paddle_step.spec.check_state import check_state
 from paddle_step.testing.greedy import greedy_reference
 
@@ -19,6 +20,13 @@ from paddle_step.testing.greedy import greedy_reference
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
     return LlamaForCausalLM(ModelConfig(dtype="float64", seed=11))
+
+
+def limited(max_tokens: int | list[int], **fields) -> SamplingParams | list[SamplingParams]:
+    """SamplingParams of ``max_tokens`` (one, or one per entry of a list) and ``fields``."""
+    if isinstance(max_tokens, list):
+        return [SamplingParams(max_tokens=limit, **fields) for limit in max_tokens]
+    return SamplingParams(max_tokens=max_tokens, **fields)
 
 
 def assert_blocks_conserved(engine: Engine) -> None:
@@ -128,15 +136,17 @@ def test_add_request_rejects_requests_that_cannot_run(model: LlamaForCausalLM) -
     config = EngineConfig(max_batch=2, max_model_len=16, block_size=4, num_kv_blocks=10)
     engine = Engine(model, config)
     with pytest.raises(ValueError, match="expected at least one token"):
-        engine.add_request([], 4)
-    with pytest.raises(ValueError, match="expected ids in \\[0, 259\\), got \\[300\\]"):
-        engine.add_request([1, 300], 4)
+        engine.add_request([], limited(4))
+    with pytest.raises(ValueError, match="expected token ids in \\[0, 259\\), got \\[300\\]"):
+        engine.add_request([1, 300], limited(4))
     with pytest.raises(ValueError, match="= 17, expected <= max_model_len \\(16\\)"):
-        engine.add_request([1] * 9, 8)
-    with pytest.raises(ValueError, match="max_new_tokens': expected an int >= 1, got 0"):
-        engine.add_request([1], 0)
-    with pytest.raises(ValueError, match="top_p': expected in \\(0, 1\\]"):
-        engine.add_request([1], 2, top_p=0.0)
+        engine.add_request([1] * 9, limited(8))
+    with pytest.raises(ValueError, match="max_tokens': expected an int >= 0, got -1"):
+        engine.add_request([1], limited(-1))
+    with pytest.raises(ValueError, match="top_p': expected a value in \\(0, 1\\]"):
+        engine.add_request([1], limited(2, top_p=0.0))
+    with pytest.raises(ValueError, match="stop_token_ids': expected token ids in \\[0, 259\\)"):
+        engine.add_request([1], limited(2, stop_token_ids=[259]))
     small = Engine(
         model,
         EngineConfig(
@@ -144,7 +154,7 @@ def test_add_request_rejects_requests_that_cannot_run(model: LlamaForCausalLM) -
         ),
     )
     with pytest.raises(ValueError, match="needs 7 encoder blocks, expected <= 6"):
-        small.add_request([1] * 21, 4)
+        small.add_request([1] * 21, limited(4))
     assert engine.num_waiting == 0 and not engine.has_unfinished()
 
 
@@ -153,7 +163,7 @@ def test_admission_waits_for_a_free_slot_and_reuses_it(model: LlamaForCausalLM) 
     limits = [2, 7, 4]
     config = EngineConfig(max_batch=2, max_model_len=16, block_size=4, num_kv_blocks=16)
     engine = Engine(model, config)
-    ids = [engine.add_request(prompt, limit) for prompt, limit in zip(prompts, limits)]
+    ids = [engine.add_request(prompt, limited(limit)) for prompt, limit in zip(prompts, limits)]
     assert ids == [0, 1, 2] and engine.num_waiting == 3
 
     assert engine.step() == []  # prefill of requests 0 and 1; request 2 has no slot
@@ -179,7 +189,7 @@ def test_admission_waits_for_encoder_blocks(model: LlamaForCausalLM) -> None:
     assert config.num_encoder_blocks == 8
     engine = Engine(model, config)
     for prompt in prompts:
-        engine.add_request(prompt, 6)
+        engine.add_request(prompt, limited(6))
     engine.step()
     assert (engine.num_active, engine.num_waiting) == (2, 1)
     assert engine.encoder_blocks.num_free == 0
@@ -194,22 +204,22 @@ def test_eos_and_length_stops(model: LlamaForCausalLM) -> None:
     first_eos = greedy.index(eos)
     config = EngineConfig(max_batch=2, max_model_len=24, block_size=4, num_kv_blocks=24)
     engine = Engine(model, config, check_state=True)
-    with_eos = engine.generate([prompt, prompt], 12, eos_token_id=eos)
+    with_eos = engine.generate([prompt, prompt], limited(12, eos_token_id=eos))
     for result in with_eos:
         assert (result.finish_reason, result.token_ids) == ("eos", greedy[: first_eos + 1])
 
-    without_eos = engine.generate([prompt], 12)[0]  # no tokenizer: no default eos
+    without_eos = engine.generate([prompt], limited(12))[0]  # no tokenizer: no default eos
     assert (without_eos.finish_reason, without_eos.token_ids) == ("length", greedy)
     assert without_eos.prompt_ids == prompt
 
-    at_model_len = engine.generate([prompt], 24 - len(prompt))[0]
+    at_model_len = engine.generate([prompt], limited(24 - len(prompt)))[0]
     assert at_model_len.finish_reason == "length" and len(at_model_len.token_ids) == 16
 
 
 def test_state_is_released_when_everything_finishes(model: LlamaForCausalLM) -> None:
     config = EngineConfig(max_batch=3, max_model_len=24, block_size=4, num_kv_blocks=24)
     engine = Engine(model, config)
-    engine.generate([[1, 2, 3], [4] * 10, [7, 8]], [9, 3, 14])
+    engine.generate([[1, 2, 3], [4] * 10, [7, 8]], limited([9, 3, 14]))
     state = engine.state
     assert engine.encoder_blocks.num_free == config.num_encoder_blocks
     assert int(state.free_list_len.numpy()[0]) == config.num_decoder_blocks
@@ -229,7 +239,7 @@ def test_invariants_hold_every_step_under_preemption(model: LlamaForCausalLM) ->
     )
     engine = Engine(model, config, check_state=True)
     for prompt, limit in zip(prompts, limits):
-        engine.add_request(prompt, limit)
+        engine.add_request(prompt, limited(limit))
     tokens = run_checked(engine)
     assert engine.stats.preemptions > 0 and engine.stats.recoveries > 0
     assert engine.stats.preemptions == engine.stats.recoveries
@@ -242,7 +252,7 @@ def test_no_progress_raises_instead_of_looping(model: LlamaForCausalLM) -> None:
     engine = Engine(model, config)
     leaked = engine.encoder_blocks.allocate(config.num_encoder_blocks)  # simulate a leak
     assert leaked is not None
-    engine.add_request([1, 2, 3], 4)
+    engine.add_request([1, 2, 3], limited(4))
     with pytest.raises(RuntimeError, match="no progress.*1 request\\(s\\) waiting.*0 of 8 free"):
         engine.step()
 
@@ -257,10 +267,10 @@ def test_sampler_greedy_and_nucleus() -> None:
     for draw in (0.0, 0.5, 0.999999):
         uniforms = paddle.full([2], draw, dtype="float64")
         assert sample_tokens(logits, hot, tiny, uniforms).tolist() == [1, 0]
-    # Without a cut, draws walk the tokens in order of probability: 1, 3, 2, 0.
+    # Without a cut, draws walk the tokens in id order: 0, 1, 2, 3.
     probs = paddle.nn.functional.softmax(logits[:1], axis=-1).numpy()[0]
-    edges = np.cumsum(probs[[1, 3, 2, 0]])
-    for draw, expected in zip((0.0, edges[0] + 1e-9, edges[1] + 1e-9, 0.999999), (1, 3, 2, 0)):
+    edges = np.cumsum(probs)
+    for draw, expected in zip((0.0, edges[0] + 1e-9, edges[1] + 1e-9, 0.999999), (0, 1, 2, 3)):
         uniforms = paddle.full([1], draw, dtype="float64")
         token = sample_tokens(logits[:1], hot[:1], paddle.ones([1]), uniforms)
         assert token.tolist() == [expected]
@@ -289,28 +299,28 @@ def test_eos_list_and_ignore_eos(model: LlamaForCausalLM) -> None:
     first = min(greedy.index(token) for token in stops)
     config = EngineConfig(max_batch=2, max_model_len=24, block_size=4, num_kv_blocks=24)
     engine = Engine(model, config, eos_token_ids=stops)
-    [result] = engine.generate([prompt], 12)
+    [result] = engine.generate([prompt], limited(12))
     assert (result.finish_reason, result.token_ids) == ("eos", greedy[: first + 1])
-    [ignored] = engine.generate([prompt], 12, eos_token_id=[])
+    [ignored] = engine.generate([prompt], limited(12, eos_token_id=[]))
     assert (ignored.finish_reason, ignored.token_ids) == ("length", greedy)
     with pytest.raises(ValueError, match="'eos_token_id': expected None, an id or at most 8"):
-        engine.add_request(prompt, 4, eos_token_id=list(range(9)))
+        engine.add_request(prompt, limited(4, eos_token_id=list(range(9))))
 
 
-def test_last_step_tokens_stream_every_token(model: LlamaForCausalLM) -> None:
+def test_last_step_outputs_stream_every_token(model: LlamaForCausalLM) -> None:
     config = EngineConfig(
         max_batch=6, max_model_len=32, block_size=4, num_kv_blocks=40, decoder_pool_ratio=0.2
     )
     engine = Engine(model, config)
     prompts = [[1, 2, 3], [4] * 9, [7, 8], [9, 9, 9, 9], [5], [6, 6], [8] * 5]
-    ids = [engine.add_request(prompt, 20) for prompt in prompts]
+    ids = [engine.add_request(prompt, limited(20)) for prompt in prompts]
     streamed: dict[int, list[int]] = {request_id: [] for request_id in ids}
     finished = {}
     while engine.has_unfinished():
         for result in engine.step():
             finished[result.request_id] = result.token_ids
-        for request_id, token in engine.last_step_tokens:
-            streamed[request_id].append(token)
+        for token in engine.last_step_outputs:
+            streamed[token.request_id].append(token.token_id)
     assert engine.stats.preemptions > 0  # a preempted request's stream goes on unbroken
     assert streamed == finished
 
@@ -326,11 +336,11 @@ def test_seeded_request_samples_the_same_whatever_its_arrival(model: LlamaForCau
     config = EngineConfig(max_batch=4, max_model_len=32, block_size=4, num_kv_blocks=64)
     prompt = [5, 6, 7]
     alone = Engine(model, config)
-    alone_id = alone.add_request(prompt, 12, temperature=0.9, seed=1234)
+    alone_id = alone.add_request(prompt, limited(12, temperature=0.9, seed=1234))
     busy = Engine(model, config, seed=99)  # another engine seed, other requests first
     for other in ([1], [2, 2], [3, 3, 3]):
-        busy.add_request(other, 5, temperature=0.9)
-    busy_id = busy.add_request(prompt, 12, temperature=0.9, seed=1234)
+        busy.add_request(other, limited(5, temperature=0.9))
+    busy_id = busy.add_request(prompt, limited(12, temperature=0.9, seed=1234))
     assert run_to_end(busy)[busy_id] == run_to_end(alone)[alone_id]
 
 
@@ -341,7 +351,7 @@ def test_abort_frees_slot_and_blocks(model: LlamaForCausalLM, when: str) -> None
     )
     engine = Engine(model, config, check_state=True)
     prompts = [[1, 2, 3, 4, 5], [6] * 9, [7, 8], [9, 10, 11], [12, 13], [5], [6, 6], [8] * 5]
-    ids = [engine.add_request(prompt, 20) for prompt in prompts]
+    ids = [engine.add_request(prompt, limited(20)) for prompt in prompts]
     victim = ids[-1]
     if when != "waiting":
         victim = ids[1]

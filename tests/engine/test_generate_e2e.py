@@ -16,6 +16,7 @@ from paddle_step.config import EngineConfig, ModelConfig
 from paddle_step.engine.llm_engine import Engine
 from paddle_step.engine.naive import generate_naive
 from paddle_step.models.llama import LlamaForCausalLM
+from paddle_step.sampling_params import SamplingParams
 from paddle_step.testing.greedy import greedy_reference
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,17 +31,18 @@ def model() -> LlamaForCausalLM:
 
 
 @pytest.fixture(scope="module")
-def workload() -> tuple[list[list[int]], list[int]]:
-    """Prompts of 1..30 tokens and output limits of 1..24 tokens."""
+def workload() -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompts of 1..30 tokens and output limits of 1..24 tokens (greedy)."""
     rng = np.random.default_rng(2024)
     prompts = [rng.integers(0, 256, int(rng.integers(1, 31))).tolist() for _ in range(NUM_REQUESTS)]
-    limits = [int(rng.integers(1, 25)) for _ in range(NUM_REQUESTS)]
-    return prompts, limits
+    params = [SamplingParams(max_tokens=int(rng.integers(1, 25))) for _ in range(NUM_REQUESTS)]
+    return prompts, params
 
 
 @pytest.fixture(scope="module")
 def greedy_tokens(model, workload) -> list[list[int]]:
-    return greedy_reference(model, *workload)
+    prompts, params = workload
+    return greedy_reference(model, prompts, [p.max_tokens for p in params])
 
 
 def engine_config(num_kv_blocks: int, decoder_pool_ratio: float) -> EngineConfig:
@@ -67,7 +69,7 @@ def test_tight_budget_preempts_recovers_and_matches_naive(model, workload, greed
     assert [result.token_ids for result in results] == greedy_tokens
     assert [result.prompt_ids for result in results] == workload[0]
     assert all(result.finish_reason == "length" for result in results)
-    assert stats.generated_tokens == sum(workload[1])
+    assert stats.generated_tokens == sum(p.max_tokens for p in workload[1])
     assert stats.peak_blocks_in_use <= TIGHT["num_kv_blocks"]
 
 
@@ -77,20 +79,22 @@ def test_generous_budget_never_preempts_and_matches_naive(model, workload, greed
     assert (engine.stats.preemptions, engine.stats.recoveries) == (0, 0)
     assert [result.token_ids for result in results] == greedy_tokens
     # Prefills and decodes share steps: far fewer steps than requests x tokens.
-    assert engine.stats.steps < sum(workload[1]) / 2
+    assert engine.stats.steps < sum(p.max_tokens for p in workload[1]) / 2
 
 
 def test_sampling_does_not_depend_on_batching_or_preemption(model, workload):
-    prompts, limits = workload[0][:10], workload[1][:10]
-    sampling = dict(temperature=0.8, top_p=0.9)
+    prompts, greedy_params = workload[0][:10], workload[1][:10]
+    params = [
+        SamplingParams(max_tokens=p.max_tokens, temperature=0.8, top_p=0.9) for p in greedy_params
+    ]
     tight = Engine(model, engine_config(**TIGHT), seed=7)
     generous = Engine(model, engine_config(**GENEROUS), seed=7)
-    tight_tokens = [r.token_ids for r in tight.generate(prompts, limits, **sampling)]
-    generous_tokens = [r.token_ids for r in generous.generate(prompts, limits, **sampling)]
-    naive_results, _ = generate_naive(model, prompts, limits, seed=7, **sampling)
+    tight_tokens = [r.token_ids for r in tight.generate(prompts, params)]
+    generous_tokens = [r.token_ids for r in generous.generate(prompts, params)]
+    naive_results, _ = generate_naive(model, prompts, params, seed=7)
     assert tight.stats.preemptions > 0
     assert tight_tokens == generous_tokens == [r.token_ids for r in naive_results]
-    greedy, _ = generate_naive(model, prompts, limits)
+    greedy, _ = generate_naive(model, prompts, greedy_params)
     assert tight_tokens != [r.token_ids for r in greedy]  # it did sample
 
 

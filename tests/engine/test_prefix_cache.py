@@ -9,18 +9,22 @@ import pytest
 from paddle_step.config import EngineConfig, ModelConfig
 from paddle_step.engine.block_allocator import EncoderBlockAllocator
 from paddle_step.engine.llm_engine import Engine
-from paddle_step.engine.naive import generate_naive
 from paddle_step.engine.prefix_cache import cacheable_blocks, prompt_block_hashes
 from paddle_step.models.llama import LlamaForCausalLM
+from paddle_step.sampling_params import SamplingParams
+from paddle_step.testing.greedy import greedy_reference
+
+
+def limited(max_tokens: int | list[int], **fields) -> SamplingParams | list[SamplingParams]:
+    """SamplingParams of ``max_tokens`` (one, or one per entry of a list) and ``fields``."""
+    if isinstance(max_tokens, list):
+        return [SamplingParams(max_tokens=limit, **fields) for limit in max_tokens]
+    return SamplingParams(max_tokens=max_tokens, **fields)
 
 
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
     return LlamaForCausalLM(ModelConfig(dtype="float64", seed=5))
-
-
-def naive_tokens(model, prompts, limits) -> list[list[int]]:
-    return [result.token_ids for result in generate_naive(model, prompts, limits)[0]]
 
 
 def test_block_keys_chain_the_whole_prefix() -> None:
@@ -82,11 +86,11 @@ def test_engine_reuses_cached_prefixes_exactly(model, kv) -> None:
     rng = np.random.default_rng(7)
     prompts = shared_prefix_prompts(rng, 12, 9)
     limits = [int(rng.integers(10, 18)) for _ in prompts]
-    expected = naive_tokens(model, prompts, limits)
+    expected = greedy_reference(model, prompts, limits)
     # Tight: a pool of 8 blocks (one whole sequence) for six decoding slots.
     config = EngineConfig(max_batch=6, max_model_len=32, block_size=4, **kv)
     engine = Engine(model, config, check_state=True)
-    results = engine.generate(prompts, limits)
+    results = engine.generate(prompts, limited(limits))
     assert [result.token_ids for result in results] == expected
     stats = engine.stats
     assert stats.prompt_tokens_queried == sum(map(len, prompts))
@@ -106,8 +110,8 @@ def test_prefix_caching_off_computes_every_prompt_token(model) -> None:
         max_batch=2, max_model_len=16, block_size=4, num_kv_blocks=24, enable_prefix_caching=False
     )
     engine = Engine(model, config, check_state=True)
-    results = engine.generate(prompts, 4)
-    assert [r.token_ids for r in results] == naive_tokens(model, prompts, [4] * 3)
+    results = engine.generate(prompts, limited(4))
+    assert [r.token_ids for r in results] == greedy_reference(model, prompts, [4] * 3)
     assert engine.stats.prompt_tokens_hit == 0 and engine.encoder_blocks.num_cached == 0
 
 
@@ -115,16 +119,16 @@ def test_a_whole_cached_prompt_still_computes_its_last_token(model) -> None:
     prompt = list(range(30, 38))  # two full blocks
     config = EngineConfig(max_batch=1, max_model_len=16, block_size=4, num_kv_blocks=16)
     engine = Engine(model, config, check_state=True)
-    first, second = (engine.generate([prompt], 5)[0] for _ in range(2))
+    first, second = (engine.generate([prompt], limited(5))[0] for _ in range(2))
     assert first.cached_tokens == 0 and second.cached_tokens == 4  # block 1 is recomputed
-    assert first.token_ids == second.token_ids == naive_tokens(model, [prompt], [5])[0]
+    assert first.token_ids == second.token_ids == greedy_reference(model, [prompt], [5])[0]
 
 
 def test_same_step_admissions_share_the_blocks_computed_in_that_step(model) -> None:
     prompt = list(range(50, 63))
     config = EngineConfig(max_batch=3, max_model_len=24, block_size=4, num_kv_blocks=48)
     engine = Engine(model, config, check_state=True)
-    ids = [engine.add_request(prompt + [tail], 3) for tail in (1, 2, 3)]
+    ids = [engine.add_request(prompt + [tail], limited(3)) for tail in (1, 2, 3)]
     engine.step()
     requests = engine.scheduler.slot_requests
     held = [r.encoder_blocks for r in requests]
@@ -133,7 +137,7 @@ def test_same_step_admissions_share_the_blocks_computed_in_that_step(model) -> N
     results = {}
     while engine.has_unfinished():
         results.update((r.request_id, r.token_ids) for r in engine.step())
-    assert [results[i] for i in ids] == naive_tokens(
+    assert [results[i] for i in ids] == greedy_reference(
         model, [prompt + [tail] for tail in (1, 2, 3)], [3] * 3
     )
 
@@ -150,8 +154,8 @@ def test_cached_blocks_are_evicted_only_when_needed_and_never_while_read(model) 
     config = EngineConfig(max_batch=3, max_model_len=24, block_size=4, num_kv_blocks=20)
     assert config.num_encoder_blocks == 10
     engine = Engine(model, config, check_state=True)  # reference counts checked every step
-    results = engine.generate(prompts, limits)
-    assert [r.token_ids for r in results] == naive_tokens(model, prompts, limits)
+    results = engine.generate(prompts, limited(limits))
+    assert [r.token_ids for r in results] == greedy_reference(model, prompts, limits)
     assert engine.encoder_blocks.num_cached <= config.num_encoder_blocks
 
 
@@ -159,8 +163,8 @@ def test_abort_releases_shared_blocks_and_spares_the_other_readers(model) -> Non
     prompt = list(range(70, 83))
     config = EngineConfig(max_batch=3, max_model_len=24, block_size=4, num_kv_blocks=48)
     engine = Engine(model, config, check_state=True)
-    keep = engine.add_request(prompt + [1], 6)
-    drop = engine.add_request(prompt + [2], 6)
+    keep = engine.add_request(prompt + [1], limited(6))
+    drop = engine.add_request(prompt + [2], limited(6))
     engine.step()
     shared = engine.scheduler.slot_requests[0].encoder_blocks[:3]
     assert [engine.encoder_blocks.ref_count(b) for b in shared] == [2, 2, 2]
@@ -171,6 +175,6 @@ def test_abort_releases_shared_blocks_and_spares_the_other_readers(model) -> Non
         if engine.has_unfinished():
             assert [engine.encoder_blocks.ref_count(b) for b in shared] == [1, 1, 1]
     assert results[drop].finish_reason == "abort"
-    assert results[keep].token_ids == naive_tokens(model, [prompt + [1]], [6])[0]
+    assert results[keep].token_ids == greedy_reference(model, [prompt + [1]], [6])[0]
     assert [engine.encoder_blocks.ref_count(b) for b in shared] == [0, 0, 0]
     assert engine.encoder_blocks.cached_prefix(prompt_block_hashes(prompt, 4)) == shared

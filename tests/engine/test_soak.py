@@ -14,6 +14,7 @@ from paddle_step.config import EngineConfig, ModelConfig
 from paddle_step.engine.llm_engine import Engine
 from paddle_step.engine.naive import generate_naive
 from paddle_step.models.llama import LlamaForCausalLM
+from paddle_step.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 48
 BLOCK_SIZE = 4
@@ -23,7 +24,7 @@ def most_frequent_token(model: LlamaForCausalLM) -> int:
     """A token the model emits often enough that eos stops really happen."""
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, 6).tolist() for _ in range(6)]
-    results, _ = generate_naive(model, prompts, 16)
+    results, _ = generate_naive(model, prompts, SamplingParams(max_tokens=16))
     tokens = np.concatenate([result.token_ids for result in results])
     return int(np.bincount(tokens).argmax())
 
@@ -42,14 +43,15 @@ def test_soak_tight_budget_matches_naive(soak_steps):
     engine = Engine(model, config, check_state=True)
     rng = np.random.default_rng(2026)
 
-    requests: dict[int, tuple[list[int], int]] = {}
+    requests: dict[int, tuple[list[int], SamplingParams]] = {}
     finished = {}
     for _ in range(soak_steps):
         if engine.num_waiting < 4 and rng.random() < 0.3:
             prompt = rng.integers(0, 256, int(rng.integers(1, 25))).tolist()
             limit = int(rng.integers(1, MAX_MODEL_LEN - len(prompt) + 1))
-            request_id = engine.add_request(prompt, limit, eos_token_id=eos_token_id)
-            requests[request_id] = (prompt, limit)
+            params = SamplingParams(max_tokens=limit, eos_token_id=eos_token_id)
+            request_id = engine.add_request(prompt, params)
+            requests[request_id] = (prompt, params)
         finished.update((result.request_id, result) for result in engine.step())
     while engine.has_unfinished():  # drain: arrivals stop, everything admitted finishes
         finished.update((result.request_id, result) for result in engine.step())
@@ -65,7 +67,6 @@ def test_soak_tight_budget_matches_naive(soak_steps):
         model,
         [requests[i][0] for i in order],
         [requests[i][1] for i in order],
-        eos_token_id=eos_token_id,
         max_model_len=MAX_MODEL_LEN,
     )
     for request_id, reference in zip(order, expected):

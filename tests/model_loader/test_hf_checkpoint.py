@@ -21,6 +21,7 @@ from paddle_step.model_loader.hf_config import model_config_from_hf
 from paddle_step.model_loader.loader import load_checkpoint
 from paddle_step.model_loader.weights import read_safetensors
 from paddle_step.models.llama import LlamaForCausalLM
+from paddle_step.sampling_params import SamplingParams
 from paddle_step.tokenizer.hf import HFTokenizer
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "hf-tiny"
@@ -81,7 +82,9 @@ def test_float64_prefill_logits_match_transformers(loaded64, name) -> None:
 
 def test_float64_greedy_ids_match_transformers_naive(loaded64, name) -> None:
     entries = golden_prompts(name, "float64")
-    results, _ = generate_naive(loaded64.model, [e["prompt_ids"] for e in entries], NEW_TOKENS)
+    results, _ = generate_naive(
+        loaded64.model, [e["prompt_ids"] for e in entries], SamplingParams(max_tokens=NEW_TOKENS)
+    )
     assert [r.token_ids for r in results] == [e["greedy_ids"] for e in entries]
 
 
@@ -97,7 +100,9 @@ def test_float64_greedy_ids_match_transformers_engine(loaded64, name, budget) ->
     kv = ROOMY if budget == "roomy" else TIGHT
     engine = Engine(loaded64.model, EngineConfig(max_batch=6, max_model_len=56, block_size=4, **kv))
     # No tokenizer and no eos_token_id: no eos stop, as transformers generated them.
-    results = engine.generate([e["prompt_ids"] for e in entries], max_new_tokens=NEW_TOKENS)
+    results = engine.generate(
+        [e["prompt_ids"] for e in entries], SamplingParams(max_tokens=NEW_TOKENS)
+    )
     assert [r.token_ids for r in results] == [e["greedy_ids"] for e in entries]
     if budget == "tight":
         assert engine.stats.preemptions > 0
@@ -117,11 +122,13 @@ def test_float32_greedy_ids_match_transformers(name, dense, monkeypatch) -> None
     entries = golden_prompts(name, "float32")
     prompts = [e["prompt_ids"] for e in entries]
     expected = [e["greedy_ids"] for e in entries]
-    results, _ = generate_naive(loaded.model, prompts, NEW_TOKENS)
+    results, _ = generate_naive(loaded.model, prompts, SamplingParams(max_tokens=NEW_TOKENS))
     assert [r.token_ids for r in results] == expected
     config = EngineConfig(max_batch=6, max_model_len=56, block_size=4, **ROOMY)
     engine = Engine(loaded.model, config)
-    assert [r.token_ids for r in engine.generate(prompts, NEW_TOKENS)] == expected
+    assert [
+        r.token_ids for r in engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS))
+    ] == expected
 
 
 def test_decode_and_streaming_match_transformers(loaded64, name) -> None:
@@ -352,8 +359,8 @@ def test_head_dim_gqa_bias_and_tying_from_config() -> None:
     engine = Engine(
         model, EngineConfig(max_batch=2, max_model_len=16, block_size=4, num_kv_blocks=16)
     )
-    paged = engine.generate([prompt], max_new_tokens=6)[0].token_ids
-    naive = generate_naive(model, [prompt], 6)[0][0].token_ids
+    paged = engine.generate([prompt], SamplingParams(max_tokens=6))[0].token_ids
+    naive = generate_naive(model, [prompt], SamplingParams(max_tokens=6))[0][0].token_ids
     assert paged == naive
 
 

@@ -12,6 +12,7 @@ import pytest
 from paddle_step.config import EngineConfig
 from paddle_step.engine.llm_engine import Engine
 from paddle_step.model_loader.loader import load_checkpoint
+from paddle_step.sampling_params import SamplingParams
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "hf-tiny"
 GOLDEN = json.loads((DATA / "golden.json").read_text())
@@ -55,7 +56,7 @@ def test_float64_greedy_ids_match_transformers(checkpoint, caching, budget, max_
     engine = Engine(loaded.model, config, check_state=True)
     prompts = [e["prompt_ids"] for e in entries]
     # Each prompt twice: the second copy finds the first's full blocks cached.
-    results = engine.generate(prompts + prompts, max_new_tokens=NEW_TOKENS)
+    results = engine.generate(prompts + prompts, SamplingParams(max_tokens=NEW_TOKENS))
     expected = [e["greedy_ids"] for e in entries] * 2
     assert [r.token_ids for r in results] == expected
     hits = engine.stats.prompt_tokens_hit

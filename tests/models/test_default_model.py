@@ -13,6 +13,7 @@ from paddle_step.engine.arg_utils import DEFAULT_MODEL
 from paddle_step.engine.llm_engine import Engine
 from paddle_step.engine.naive import generate_naive
 from paddle_step.model_loader.loader import load_checkpoint
+from paddle_step.sampling_params import SamplingParams
 
 PROMPT = "The for statement"
 PROMPT_IDS = [0, 339, 341, 462]  # <s> first: the tokenizer's post-processor adds it
@@ -34,11 +35,13 @@ def test_greedy_output_is_pinned(dtype):
     loaded = load_checkpoint(DEFAULT_MODEL, dtype=dtype)
     ids = loaded.tokenizer.encode(PROMPT)
     assert ids == PROMPT_IDS
-    [naive], _ = generate_naive(loaded.model, [ids], 24, eos_token_id=loaded.eos_token_ids)
+    [naive], _ = generate_naive(
+        loaded.model, [ids], SamplingParams(max_tokens=24), eos_token_ids=loaded.eos_token_ids
+    )
     assert naive.token_ids == GREEDY_24
     config = EngineConfig(max_batch=2, max_model_len=64, block_size=8, num_kv_blocks=32)
     engine = Engine(loaded.model, config, eos_token_ids=loaded.eos_token_ids)
-    [paged] = engine.generate([ids], 24)
+    [paged] = engine.generate([ids], SamplingParams(max_tokens=24))
     assert paged.token_ids == GREEDY_24
     text = loaded.tokenizer.decode(paged.token_ids, skip_special_tokens=True)
     assert text.startswith("\n*****") and "async_stmt" in text

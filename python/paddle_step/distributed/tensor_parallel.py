@@ -212,7 +212,12 @@ class RankChecker:
 
     def __call__(self, engine) -> None:
         arrays = [tensor.numpy() for tensor in engine.state.step_tensors().values()]
-        arrays.append(np.array(engine.last_step_tokens, dtype=np.int64))
+        arrays.append(
+            np.array(
+                [(t.request_id, t.index, t.token_id) for t in engine.last_step_outputs],
+                dtype=np.int64,
+            )
+        )
         local = paddle.to_tensor(np.array([_digest(a) for a in arrays], dtype=np.int64))
         gathered: list[paddle.Tensor] = []
         paddle.distributed.all_gather(gathered, local)

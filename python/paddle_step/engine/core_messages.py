@@ -10,26 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..sampling_params import SamplingParams
+
 __all__ = [
     "AbortRequest",
     "AddRequest",
     "EngineFailed",
     "Ready",
-    "SamplingParams",
     "StepOutput",
     "Stop",
 ]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """What a request asks of the engine, already validated."""
-
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False
 
 
 # ---------------------------------------------------------------- server -> engine
@@ -64,16 +54,25 @@ class Ready:
     stats: dict
 
 
+# Logprobs as the server reads them: (the token's logprob, [(token id, logprob), ..] of
+# the asked number of most likely tokens, most likely first).
+Logprobs = tuple[float, list[tuple[int, float]]]
+
+
 @dataclass
 class StepOutput:
-    """One step's results, in one message: ``cached`` are ``(key, prompt tokens from the
-    prefix cache)`` of the requests it admitted, ``tokens`` ``(key, token id)`` in the
-    order generated, ``finished`` ``(key, finish reason)``, ``refused`` ``(key,
-    message)`` for requests the engine would not add (a ``ValueError`` of its own)."""
+    """One step's results, in one message. ``cached``: ``(key, prompt tokens from the
+    prefix cache)`` of the requests it admitted; ``tokens``: ``(key, (sample, token id,
+    logprobs or None))`` in the order generated; ``prompt_logprobs``: ``(key, [logprobs
+    per prompt position after the first])`` of requests whose prompt it completed that
+    asked; ``finished``: ``(key, [(sample, finish reason), ..])``, the samples to answer
+    with in choice order (the ``n`` best of ``best_of``); ``refused``: ``(key, message)``
+    for requests the engine would not add (a ``ValueError`` of its own)."""
 
     cached: list[tuple[int, int]] = field(default_factory=list)
-    tokens: list[tuple[int, int]] = field(default_factory=list)
-    finished: list[tuple[int, str]] = field(default_factory=list)
+    tokens: list[tuple[int, tuple[int, int, Logprobs | None]]] = field(default_factory=list)
+    prompt_logprobs: list[tuple[int, list[Logprobs]]] = field(default_factory=list)
+    finished: list[tuple[int, list[tuple[int, str]]]] = field(default_factory=list)
     refused: list[tuple[int, str]] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
 

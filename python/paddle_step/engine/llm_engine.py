@@ -35,19 +35,20 @@ import numpy as np
 import paddle
 
 from ..config import EngineConfig
-from ..layers.sampler import sampling_key
+from ..layers.sampler import sample_key, sampling_key, token_logprobs
 from ..models.llama import LlamaForCausalLM
+from ..sampling_params import SamplingParams
 from ..spec.check_state import StateError
 from ..tokenizer.byte import ByteTokenizer
 from .block_allocator import EncoderBlockAllocator
 from .cpu_threads import default_threads, set_compute_threads
 from .model_runner import ModelRunner
-from .outputs import GenerationResult, GenerationStats, StepOutcome
+from .outputs import GenerationResult, GenerationStats, StepOutcome, StepToken, TokenLogprobs
 from .request import Request
-from .scheduler import Scheduler
+from .scheduler import AbortedRequest, Scheduler, StepLogprobs
 from .slot_state import ShareInputs
 
-__all__ = ["Engine", "GenerationResult", "GenerationStats"]
+__all__ = ["Engine", "GenerationResult", "GenerationStats", "SamplingParams"]
 
 
 class Engine:
@@ -97,9 +98,11 @@ class Engine:
         self.scheduler = Scheduler(config)
         self.runner = ModelRunner(model, config)
         self.stats = GenerationStats()
-        # (request id, token) of every token the last step generated, for streaming.
-        self.last_step_tokens: list[tuple[int, int]] = []
-        # (request id, prompt tokens the prefix cache supplied) of each request the last
+        # Every token the last step generated, for streaming; and the prompt logprobs of
+        # the requests whose prompt it finished, when they asked, by request id.
+        self.last_step_outputs: list[StepToken] = []
+        self.last_step_prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
+        # (request id, prompt tokens the prefix cache supplied) of each sample the last
         # step admitted.
         self.last_step_admitted: list[tuple[int, int]] = []
         self._next_request_id = 0
@@ -118,43 +121,35 @@ class Engine:
 
     # ------------------------------------------------------------------ public API
 
-    def add_request(
-        self,
-        prompt_ids: Sequence[int],
-        max_new_tokens: int,
-        eos_token_id: int | Sequence[int] | None = None,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        *,
-        seed: int | None = None,
-    ) -> int:
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> int:
         """Queues a request and returns its id (0, 1, .. in submission order).
 
-        ``eos_token_id``: an id or a list of ids that end the request (``[]``: none, as
-        ``ignore_eos``); None means the engine's ``eos_token_ids``. ``temperature`` 0 is
-        greedy; otherwise tokens are sampled at that temperature from the ``top_p``
-        nucleus, with draws keyed by ``seed`` when given (the same seed gives the same
-        tokens whenever the request arrives). Raises ``ValueError`` for a request the
+        ``params`` (default ``SamplingParams()``) says how it decodes; its
+        ``eos_token_id`` None means the engine's ``eos_token_ids``. Sampled requests draw
+        their random numbers keyed by ``params.seed`` when given (the same seed gives the
+        same tokens whenever the request arrives and whatever shares its batch), else by
+        the engine's seed and the request id. Raises ``ValueError`` for a request the
         engine could never run (empty prompt, ids outside the vocabulary, prompt +
-        max_new_tokens past ``max_model_len``, more prompt blocks than the encoder region
+        max_tokens past ``max_model_len``, more prompt blocks than the encoder region
         holds).
         """
+        params = SamplingParams() if params is None else params
         request_id = self._next_request_id
+        seed = params.seed
         key = sampling_key(seed) if seed is not None else sampling_key(self.seed, request_id)
         request = Request.validated(
             request_id,
             prompt_ids,
-            max_new_tokens,
-            eos_token_id,
-            temperature,
-            top_p,
+            params,
             sampling_key=key,
             default_eos_token_ids=self.eos_token_ids,
             vocab_size=self.model.config.vocab_size,
             config=self.config,
         )
+        draws = params.best_of or params.n
+        request.add_samples([sample_key(key, index) for index in range(1, draws)])
         self._next_request_id += 1
-        self.scheduler.waiting.append(request)
+        self.scheduler.waiting.extend(request.samples)
         return request.request_id
 
     @property
@@ -186,36 +181,45 @@ class Engine:
     def abort(self, request_id: int) -> bool:
         """Cancels a request; returns whether it was still unfinished.
 
-        A waiting request just leaves the queue. A request in a slot is stopped on the
-        device and finishes through the same path as any finished request: the next
+        A waiting request just leaves the queue. Each of its samples in a slot is stopped
+        on the device and finishes through the same path as any finished one: the next
         ``step`` has ``step_paddle`` free its decoder blocks, then retires it (prompt
         blocks and slot freed) with ``finish_reason`` ``"abort"``. Call between steps.
         """
         aborted = self.scheduler.abort(request_id)
-        if aborted is None:
-            return False
-        if aborted.slot is not None:
-            self.runner.abort_slot(aborted.slot, aborted.was_preempted)
-        if aborted.was_preempted:
+        for each in aborted:
+            if each.slot is not None:
+                self._stop_slot(each)
+        return bool(aborted)
+
+    def _stop_slot(self, stopped: AbortedRequest) -> None:
+        """Stops a slot the scheduler took out of the running (abort, constraint)."""
+        self.runner.abort_slot(stopped.slot, stopped.was_preempted)
+        if stopped.was_preempted:
             self._step_lens -= 1  # it left step_block_list without being recovered
-        return True
 
     def has_unfinished(self) -> bool:
         """Whether any request is waiting, running or preempted."""
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[GenerationResult]:
-        """Runs one iteration (see the module docstring); returns the requests it finished.
+        """Runs one iteration (see the module docstring); returns the requests it finished
+        and leaves the tokens it generated in ``last_step_outputs`` (and the prompt
+        logprobs of requests it prefilled, when asked, in ``last_step_prompt_logprobs``).
 
         Raises ``RuntimeError`` if unfinished requests exist but nothing can run, be
         admitted or be recovered (a state the config checks should rule out).
         """
         started = time.perf_counter()
         scheduler, runner = self.scheduler, self.runner
+        for stopped in scheduler.take_constraint_stops():
+            self._stop_slot(stopped)
         plan = scheduler.schedule()
         admitted = plan.admitted
         admitted_requests = [scheduler.slot_requests[slot] for slot in admitted]
-        self.last_step_admitted = [(r.request_id, r.num_cached_tokens) for r in admitted_requests]
+        self.last_step_admitted = [
+            (r.request_id, r.num_cached_tokens) for r in admitted_requests if r.index == 0
+        ]
         if admitted:
             runner.write_admitted(admitted, admitted_requests)
         if plan.chunks:
@@ -230,9 +234,16 @@ class Engine:
             ran = paddle.logical_and(
                 running, paddle.to_tensor(~unsampled, place=runner.state.place)
             )
+        logprobs = None
+        self.last_step_prompt_logprobs = {}
         if ran_any:
-            logits = runner.forward()
-            tokens = runner.sample(logits, self._uniforms())
+            logit_rows, targets = self._prompt_logprob_rows(plan.chunks)
+            logits, prompt_logits = runner.forward(logit_rows)
+            if logit_rows:
+                self._record_prompt_logprobs(targets, prompt_logits)
+            self._finish_prompt_logprobs(plan.chunks)
+            sampling = scheduler.sampling_plan(self.model.config.vocab_size, plan.unsampled_slots)
+            tokens, logprobs = runner.sample(logits, self._uniforms(), sampling)
             runner.update_inputs(running, ran, tokens)
         else:
             tokens = paddle.zeros_like(runner.state.next_tokens)
@@ -241,10 +252,9 @@ class Engine:
 
         outcome = runner.sync_host(ran, tokens)
         rows = np.flatnonzero(outcome.ran)
-        self.last_step_tokens = list(
-            zip(scheduler.slot_request_ids[rows].tolist(), outcome.tokens[rows].tolist())
-        )
-        scheduler.record(outcome)
+        scheduler.record(outcome, _on_host(logprobs))
+        scheduler.advance_constraints(rows, outcome)
+        self.last_step_outputs = scheduler.step_tokens(rows, outcome)
         self._count(outcome)
         finished_slots = scheduler.finished_slots()
         finished = []
@@ -266,30 +276,24 @@ class Engine:
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
-        max_new_tokens: int | Sequence[int],
-        eos_token_id: int | Sequence[int] | None = None,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
         on_finished: Callable[[int], object] | None = None,
     ) -> list[GenerationResult]:
         """Adds ``prompts`` and steps until every request is done.
 
-        ``max_new_tokens`` is one value for all prompts or one per prompt; the other
-        arguments are ``add_request``'s. ``on_finished(n)`` is called after each step that
-        finished ``n > 0`` requests (e.g. a progress bar's ``update``). Returns the results
-        of ``prompts``, in their order.
+        ``params`` is one ``SamplingParams`` for all prompts or one per prompt (default:
+        ``SamplingParams()``). ``on_finished(n)`` is called after each step that finished
+        ``n > 0`` requests (e.g. a progress bar's ``update``). Returns the results of
+        ``prompts``, in their order.
         """
-        if isinstance(max_new_tokens, (int, np.integer)):
-            max_new_tokens = [int(max_new_tokens)] * len(prompts)
-        if len(max_new_tokens) != len(prompts):
+        if params is None or isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
             raise ValueError(
-                f"generate: argument 'max_new_tokens': expected one int or {len(prompts)} "
-                f"(one per prompt), got {len(max_new_tokens)}"
+                f"generate: argument 'params': expected one SamplingParams or {len(prompts)} "
+                f"(one per prompt), got {len(params)}"
             )
-        request_ids = [
-            self.add_request(prompt, limit, eos_token_id, temperature, top_p)
-            for prompt, limit in zip(prompts, max_new_tokens)
-        ]
+        request_ids = [self.add_request(prompt, each) for prompt, each in zip(prompts, params)]
         results: dict[int, GenerationResult] = {}
         while self.has_unfinished():
             finished = self.step()
@@ -299,6 +303,62 @@ class Engine:
         return [results[request_id] for request_id in request_ids]
 
     # ------------------------------------------------------------------ step parts
+
+    def _prompt_logprob_rows(
+        self, chunks: list
+    ) -> tuple[list[tuple[int, int, int]], list[tuple[Request, int, int]]]:
+        """For the prompt chunks of this step whose request asks for prompt logprobs (its
+        first sample only): the runner's ``(slot, back, count)`` rows, and which positions
+        ``(request, first, end)`` they cover. Position p's logits give the logprob of prompt
+        token p + 1; positions already recorded (a recovery's re-prefill) are skipped."""
+        rows, targets = [], []
+        for chunk in chunks:
+            request = self.scheduler.slot_requests[chunk.slot]
+            if request.index != 0 or request.params.prompt_logprobs is None:
+                continue
+            if request.prompt_logprobs is None:
+                request.prompt_logprobs = []
+            count = len(chunk.token_ids)
+            first = max(chunk.start, len(request.prompt_logprobs))
+            end = min(chunk.start + count, len(request.prompt_ids) - 1)
+            if first < end:
+                rows.append((chunk.slot, count - 1 - (first - chunk.start), end - first))
+                targets.append((request, first, end))
+        return rows, targets
+
+    def _record_prompt_logprobs(
+        self, targets: list[tuple[Request, int, int]], logits: paddle.Tensor
+    ) -> None:
+        """Appends the logprobs of ``targets``' prompt positions (from their ``logits``)
+        to their requests' ``prompt_logprobs``."""
+        top = max(request.params.prompt_logprobs for request, _, _ in targets)
+        ids = np.concatenate(
+            [request.prompt_ids[first + 1 : end + 1] for request, first, end in targets]
+        )
+        chosen, top_ids, top_values = _on_host(
+            token_logprobs(logits, paddle.to_tensor(ids.astype(np.int64)), top)
+        )
+        row = 0
+        for request, first, end in targets:
+            k = request.params.prompt_logprobs
+            for i in range(row, row + end - first):
+                pairs = list(zip(top_ids[i, :k].tolist(), top_values[i, :k].tolist())) if k else []
+                request.prompt_logprobs.append(TokenLogprobs(int(ids[i]), float(chosen[i]), pairs))
+            row += end - first
+
+    def _finish_prompt_logprobs(self, chunks: list) -> None:
+        """Reports the prompt logprobs of requests whose prompt this step completes (once:
+        not again after a recovery's re-prefill)."""
+        for chunk in chunks:
+            request = self.scheduler.slot_requests[chunk.slot]
+            if (
+                chunk.last
+                and request.index == 0
+                and request.params.prompt_logprobs is not None
+                and not request.prompt_logprobs_sent
+            ):
+                request.prompt_logprobs_sent = True
+                self.last_step_prompt_logprobs[request.request_id] = request.prompt_logprobs
 
     def _uniforms(self) -> paddle.Tensor | None:
         """This step's random draw per slot, or None when every running slot is greedy."""
@@ -332,3 +392,10 @@ class Engine:
         )
         if problems:
             raise StateError(problems)
+
+
+def _on_host(logprobs: tuple | None) -> StepLogprobs | None:
+    """``token_logprobs``' tensors as NumPy arrays."""
+    if logprobs is None:
+        return None
+    return StepLogprobs(*(None if t is None else t.numpy() for t in logprobs))

@@ -12,12 +12,18 @@ import paddle
 
 from ..config import EngineConfig
 from ..layers.paged_attention import PagedKVCache, build_flat_batch
-from ..layers.sampler import sample_tokens, sampling_uniforms
+from ..layers.sampler import (
+    SamplingControls,
+    apply_controls,
+    sample_tokens,
+    sampling_uniforms,
+    token_logprobs,
+)
 from ..models.llama import LlamaForCausalLM
 from ..ops import advance_step, step_paddle
 from .outputs import StepOutcome
-from .request import MAX_EOS_IDS, Request
-from .scheduler import PrefillChunk
+from .request import MAX_LOGIT_BIAS, MAX_STOP_IDS, Request
+from .scheduler import PrefillChunk, SamplingPlan
 from .slot_state import ShareInputs
 
 __all__ = ["ModelRunner"]
@@ -67,13 +73,32 @@ class ModelRunner:
         write(state.block_tables, table_rows)
         write(state.used_list_len, 0)
         write(state.pre_ids, np.full((count, config.max_model_len), -1, dtype=np.int64))
-        eos_rows = np.full((count, MAX_EOS_IDS), -1, dtype=np.int64)
+        stop_rows = np.full((count, MAX_STOP_IDS), -1, dtype=np.int64)
         for row, request in enumerate(requests):
-            eos_rows[row, : len(request.eos_token_ids)] = request.eos_token_ids
-        write(state.eos_token_ids, eos_rows)
+            stop_ids = request.eos_token_ids + request.stop_token_ids
+            stop_rows[row, : len(stop_ids)] = stop_ids
+        write(state.eos_token_ids, stop_rows)
         write(state.max_new_tokens, [r.max_new_tokens for r in requests])
-        write(state.temperature, [r.temperature for r in requests])
-        write(state.top_p, [r.top_p for r in requests])
+        params = [r.params for r in requests]
+        write(state.temperature, [p.temperature for p in params])
+        write(state.top_p, [p.top_p for p in params])
+        write(state.top_k, [max(p.top_k, 0) for p in params])
+        write(state.min_p, [p.min_p for p in params])
+        write(state.presence_penalty, [p.presence_penalty for p in params])
+        write(state.frequency_penalty, [p.frequency_penalty for p in params])
+        write(state.repetition_penalty, [p.repetition_penalty for p in params])
+        write(state.min_tokens, [p.min_tokens for p in params])
+        bias_ids = np.full((count, MAX_LOGIT_BIAS), -1, dtype=np.int64)
+        bias_values = np.zeros((count, MAX_LOGIT_BIAS), dtype=np.float32)
+        for row, p in enumerate(params):
+            bias_ids[row, : len(p.logit_bias)] = list(p.logit_bias)
+            bias_values[row, : len(p.logit_bias)] = list(p.logit_bias.values())
+        write(state.logit_bias_ids, bias_ids)
+        write(state.logit_bias_values, bias_values)
+        prompt_rows = np.full((count, config.max_model_len), -1, dtype=np.int64)
+        for row, request in enumerate(requests):
+            prompt_rows[row, : len(request.prompt_ids)] = request.prompt_ids
+        write(state.prompt_ids, prompt_rows)
         admitted_mask = np.zeros(config.max_batch, dtype=bool)
         admitted_mask[slots] = True
         keep_stopped = paddle.to_tensor(~admitted_mask, place=state.place)
@@ -100,8 +125,14 @@ class ModelRunner:
             paddle.logical_and(state.decode_active, not_prefilling), output=state.decode_active
         )
 
-    def forward(self) -> paddle.Tensor:
-        """Logits [B, vocab] of every running slot's last token this step."""
+    def forward(
+        self, logit_rows: list[tuple[int, int, int]]
+    ) -> tuple[paddle.Tensor, paddle.Tensor | None]:
+        """Logits [B, vocab] of every running slot's last token this step; and, for each
+        ``(slot, back, count)`` of ``logit_rows``, those of ``count`` tokens of that row
+        starting ``back`` tokens before its last one (prompt logprobs), concatenated in
+        that order ([sum(count), vocab]; None without any).
+        """
         state = self.state
         batch = build_flat_batch(
             state.input_ids,
@@ -120,17 +151,73 @@ class ModelRunner:
             ("slot_mapping", state.slot_mapping),
         ):
             batch[key] = paddle.where(is_decode, paddle.gather(prepared, rows), batch[key])
-        return self.model.forward_paged(**batch, kv_cache=self.kv_cache)
+        if not logit_rows:
+            return self.model.forward_paged(**batch, kv_cache=self.kv_cache), None
+        last = batch["last_token_index"].numpy()
+        index = np.concatenate(
+            [np.arange(count) + last[slot] - back for slot, back, count in logit_rows]
+        )
+        return self.model.forward_paged(
+            **batch, kv_cache=self.kv_cache, extra_index=paddle.to_tensor(index)
+        )
 
     def uniforms(self, sampling_keys: np.ndarray, token_index: np.ndarray) -> paddle.Tensor:
         """This step's random draw per slot, keyed by its request's key and token index."""
         draws = sampling_uniforms(sampling_keys, token_index)
         return paddle.to_tensor(draws, place=self.state.place)
 
-    def sample(self, logits: paddle.Tensor, uniforms: paddle.Tensor | None) -> paddle.Tensor:
-        """One token per slot, with each slot's temperature and top_p."""
+    def sample(
+        self, logits: paddle.Tensor, uniforms: paddle.Tensor | None, plan: SamplingPlan
+    ) -> tuple[paddle.Tensor, tuple | None]:
+        """One token per slot, with each slot's sampling controls; and, when ``plan``
+        asks, ``token_logprobs`` of the raw logits (before any control)."""
         state = self.state
-        return sample_tokens(logits, state.temperature, state.top_p, uniforms)
+        if plan.is_plain:  # the greedy / temperature-only batch: nothing else to do
+            return sample_tokens(logits, state.temperature, state.top_p, uniforms), None
+        controls = self._controls(plan)
+        processed = apply_controls(logits, controls) if controls.changes_logits() else logits
+        tokens = sample_tokens(processed, state.temperature, state.top_p, uniforms,
+                               top_k=controls.top_k, min_p=controls.min_p)  # fmt: skip
+        logprobs = None
+        if plan.logprobs_top is not None:
+            logprobs = token_logprobs(logits, tokens, plan.logprobs_top)
+        return tokens, logprobs
+
+    def _controls(self, plan: SamplingPlan) -> SamplingControls:
+        """The controls ``plan`` needs, from the slot state (FastDeploy computes its
+        penalties from ``pre_ids`` too)."""
+        state = self.state
+        controls = SamplingControls()
+        if plan.allowed is not None:
+            controls.allowed = paddle.to_tensor(plan.allowed, place=state.place)
+        if plan.min_tokens:
+            under = (
+                (state.step_idx < state.min_tokens).unsqueeze(1).expand(state.eos_token_ids.shape)
+            )
+            controls.banned = paddle.where(
+                under, state.eos_token_ids, paddle.full_like(state.eos_token_ids, -1)
+            )
+        if plan.bias_width:
+            controls.bias_ids = state.logit_bias_ids[:, : plan.bias_width]
+            controls.bias_values = state.logit_bias_values[:, : plan.bias_width]
+        if plan.penalties or plan.repetition:
+            columns = paddle.arange(state.pre_ids.shape[1], dtype="int64").unsqueeze(0)
+            # pre_ids column k is the k-th generated token; column 0 is scratch.
+            generated = (columns >= 1) & (columns <= state.step_idx.unsqueeze(1))
+            controls.output_tokens = paddle.where(
+                generated, state.pre_ids, paddle.full_like(state.pre_ids, -1)
+            )
+        if plan.penalties:
+            controls.presence_penalty = state.presence_penalty
+            controls.frequency_penalty = state.frequency_penalty
+        if plan.repetition:
+            controls.repetition_penalty = state.repetition_penalty
+            controls.prompt_tokens = state.prompt_ids
+        if plan.top_k:
+            controls.top_k = state.top_k
+        if plan.min_p:
+            controls.min_p = state.min_p
+        return controls
 
     def update_inputs(
         self, running: paddle.Tensor, ran: paddle.Tensor, tokens: paddle.Tensor

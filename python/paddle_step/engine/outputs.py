@@ -1,5 +1,18 @@
-"""What generating yields: finished results, run statistics, the reasons a request
-finishes, and one step's per-slot outcome on the host. No paddle."""
+"""What generating yields: finished results, the tokens each step streams, run
+statistics, the reasons a request finishes, and one step's per-slot outcome on the host.
+No paddle.
+
+The HTTP side reads these objects (through ``core_client``'s events):
+
+- ``StepToken``: one generated token of one sample, as soon as its step ends, with its
+  ``TokenLogprobs`` when the request asked for ``logprobs`` and the sample's
+  ``finish_reason`` when this token ended it;
+- ``GenerationResult``: the finished request: its prompt, ``prompt_logprobs`` when asked,
+  and one ``SampleOutput`` per returned sample (``n`` of them, ``index`` 0 .. n-1).
+
+Logprobs are of the model's own distribution at that position (a float32 log-softmax of
+the raw logits), before any sampling control changes it.
+"""
 
 from __future__ import annotations
 
@@ -11,36 +24,93 @@ __all__ = [
     "FINISH_ABORT",
     "FINISH_EOS",
     "FINISH_LENGTH",
+    "FINISH_STOP",
     "GenerationResult",
     "GenerationStats",
+    "SampleOutput",
     "StepOutcome",
+    "StepToken",
+    "TokenLogprobs",
 ]
 
-FINISH_EOS = "eos"
-FINISH_LENGTH = "length"
-FINISH_ABORT = "abort"
+FINISH_EOS = "eos"  # an eos token (the request's or the engine's)
+FINISH_STOP = "stop"  # a stop_token_ids token, or the request's constraint finished
+FINISH_LENGTH = "length"  # max_tokens, or the model length
+FINISH_ABORT = "abort"  # Engine.abort
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """The logprob of the token at one position and the ``top`` most likely tokens there,
+    as (token id, logprob) pairs, most likely first (ties: lower id first); ``top`` has
+    as many entries as the request asked for (``logprobs`` or ``prompt_logprobs``)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SampleOutput:
+    """One sample of a request: the tokens generated (an eos or stop token included), why
+    it stopped, and, when asked, the logprobs of each token. ``cumulative_logprob`` is the
+    sum of its tokens' logprobs (set when ``logprobs`` or ``best_of`` > ``n`` asks for it).
+    """
+
+    index: int
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass
 class GenerationResult:
-    """One finished request: its prompt, the tokens generated (an eos token included) and
-    why it stopped: ``"eos"``, ``"length"`` (``max_new_tokens`` or the model length) or
-    ``"abort"`` (``Engine.abort``). ``cached_tokens``: the prompt tokens whose K/V came
-    from the prefix cache instead of being computed."""
+    """One finished request: its prompt, its samples (``outputs``, ``n`` of them) and, when
+    ``prompt_logprobs`` was asked, those of prompt positions 1 .. P-1 (position 0 has no
+    context, as in vLLM, whose list starts with None there). ``cached_tokens``: the prompt
+    tokens whose K/V came from the prefix cache instead of being computed.
+
+    ``token_ids`` and ``finish_reason`` are those of sample 0 (the only one unless ``n`` >
+    1): ``"eos"``, ``"stop"`` (a stop token or the constraint finished), ``"length"``
+    (``max_tokens`` or the model length) or ``"abort"`` (``Engine.abort``).
+    """
 
     request_id: int
     prompt_ids: list[int]
-    token_ids: list[int]
-    finish_reason: str
+    outputs: list[SampleOutput]
+    prompt_logprobs: list[TokenLogprobs] | None = None
     cached_tokens: int = 0
 
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
     def to_dict(self) -> dict:
-        """The JSON form: prompt_ids, token_ids and finish_reason."""
+        """The JSON form: prompt_ids, token_ids and finish_reason (of sample 0)."""
         return {
             "prompt_ids": self.prompt_ids,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
         }
+
+
+@dataclass(slots=True)
+class StepToken:
+    """A token a step generated: of request ``request_id``'s sample ``index`` (with
+    ``best_of`` > ``n``: the draw's index in 0 .. best_of-1, not streamable as a choice);
+    ``logprobs`` when the request asked; ``finish_reason`` when this token ended the
+    sample."""
+
+    request_id: int
+    index: int
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+    finish_reason: str | None = None
 
 
 @dataclass

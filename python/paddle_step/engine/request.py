@@ -2,21 +2,36 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from ..sampling_params import SamplingParams
+from .outputs import TokenLogprobs
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from ..config import EngineConfig
 
-__all__ = ["MAX_EOS_IDS", "Request", "normalize_eos"]
+__all__ = [
+    "MAX_EOS_IDS",
+    "MAX_LOGIT_BIAS",
+    "MAX_STOP_IDS",
+    "MAX_STOP_TOKEN_IDS",
+    "Request",
+    "normalize_eos",
+]
 
 
-# Room for each slot's stop ids on the device (Llama 3 checkpoints list three).
+# Room for each slot's stop ids on the device: eos ids (Llama 3 checkpoints list three)
+# then the request's stop_token_ids.
 MAX_EOS_IDS = 8
+MAX_STOP_TOKEN_IDS = 8
+MAX_STOP_IDS = MAX_EOS_IDS + MAX_STOP_TOKEN_IDS
+# Room for each slot's logit_bias entries on the device (OpenAI's own API caps them at 300).
+MAX_LOGIT_BIAS = 300
 
 
 def normalize_eos(
@@ -36,72 +51,114 @@ def normalize_eos(
     return ids
 
 
-@dataclass
+def _check_token_ids(name: str, ids, vocab_size: int) -> None:
+    outside = [token for token in ids if not 0 <= int(token) < vocab_size]
+    if outside:
+        raise ValueError(
+            f"add_request: argument '{name}': expected token ids in [0, {vocab_size}), "
+            f"got {outside[:5]}"
+        )
+
+
+@dataclass(eq=False)
 class Request:
     """A validated request; ``encoder_blocks`` are its prompt blocks once admitted.
+
+    ``params`` is what the request asked for; ``eos_token_ids`` are its resolved eos ids
+    (the engine's when it named none). ``sampling_key`` keys its random draws (see
+    ``sampler.sampling_uniforms``): from the request's own seed when it gave one, else
+    from the engine's seed and its id (and its sample index, for ``n`` > 1).
 
     Prefix caching: ``block_hashes`` are the keys of its full prompt blocks (made at its
     first admission attempt), ``blocks_cached`` how many leading ones are cached (hits
     and those it computed), ``num_cached_tokens`` the prompt tokens the cache supplied.
-
-    ``sampling_key`` keys its random draws (see ``sampling.sampling_uniforms``): from the
-    request's own seed when it gave one, else from the engine's seed and its id.
     """
 
     request_id: int
     prompt_ids: list[int]
-    max_new_tokens: int
+    params: SamplingParams
     eos_token_ids: tuple[int, ...]  # empty: no eos stop
-    temperature: float
-    top_p: float
     sampling_key: int
     encoder_blocks: list[int] = field(default_factory=list)
     aborted: bool = False
     block_hashes: list[bytes] = field(default_factory=list)
     blocks_cached: int = 0
     num_cached_tokens: int = 0
+    constraint_finished: bool = False  # its constraint admits nothing more
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs_sent: bool = False  # reported in a step's last_step_prompt_logprobs
+    index: int = 0  # which sample of its request this is (n, best_of)
+    # Every sample of the request, this one included (one list, shared by all of them).
+    samples: list[Request] = field(default_factory=list, repr=False)
+
+    def add_samples(self, sampling_keys: Sequence[int]) -> None:
+        """Adds samples 1, 2, .. to this (first) sample, one per key: the same request
+        with its own draws."""
+        for key in sampling_keys:
+            sample = replace(self, sampling_key=key, encoder_blocks=[], index=len(self.samples),
+                             blocks_cached=0, num_cached_tokens=0)  # fmt: skip
+            self.samples.append(sample)
+
+    @property
+    def logprobs_top(self) -> int | None:
+        """How many top alternatives its tokens' logprobs need (0: only the token's own,
+        for ``best_of``), or None when it needs none."""
+        params = self.params
+        if params.logprobs is not None:
+            return params.logprobs
+        return 0 if (params.best_of or params.n) > params.n else None
+
+    @property
+    def max_new_tokens(self) -> int:
+        """Tokens the slot may generate: ``max_tokens``, but at least the one a prefill
+        samples (``max_tokens`` 0 prefills for prompt logprobs and keeps no token)."""
+        return max(self.params.max_tokens, 1)
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return tuple(int(token) for token in self.params.stop_token_ids)
 
     @classmethod
     def validated(
         cls,
         request_id: int,
         prompt_ids: Sequence[int],
-        max_new_tokens: int,
-        eos_token_id: int | Sequence[int] | None,
-        temperature: float,
-        top_p: float,
+        params: SamplingParams,
         *,
         sampling_key: int,
         default_eos_token_ids: tuple[int, ...],
         vocab_size: int,
         config: EngineConfig,
     ) -> Request:
-        """The request ``Engine.add_request`` was asked for (``eos_token_id`` None:
-        ``default_eos_token_ids``). Raises ``ValueError`` for one the engine could never
-        run (empty prompt, ids outside the vocabulary, prompt + max_new_tokens past
-        ``max_model_len``, more prompt blocks than the encoder region holds) or a bad
-        sampling parameter."""
+        """The request ``Engine.add_request`` was asked for. Raises ``ValueError`` for one
+        the engine could never run (empty prompt, ids outside the vocabulary, prompt +
+        max_tokens past ``max_model_len``, more prompt blocks than the encoder region
+        holds) or a parameter outside what the engine supports."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(
+                "add_request: argument 'params': expected a SamplingParams, "
+                f"got {type(params).__name__}"
+            )
         prompt = [int(token) for token in prompt_ids]
         max_len = config.max_model_len
         if not prompt:
             raise ValueError(
                 "add_request: argument 'prompt_ids': expected at least one token, got []"
             )
-        outside = [token for token in prompt if not 0 <= token < vocab_size]
-        if outside:
+        _check_token_ids("prompt_ids", prompt, vocab_size)
+        request = cls(
+            request_id,
+            prompt,
+            params,
+            normalize_eos(params.eos_token_id, default_eos_token_ids, vocab_size),
+            sampling_key,
+        )
+        request.samples.append(request)
+        total = len(prompt) + request.max_new_tokens
+        if total > max_len:
             raise ValueError(
-                f"add_request: argument 'prompt_ids': expected ids in [0, {vocab_size}), "
-                f"got {outside[:5]}"
-            )
-        if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-            raise ValueError(
-                "add_request: argument 'max_new_tokens': expected an int >= 1, "
-                f"got {max_new_tokens!r}"
-            )
-        if len(prompt) + max_new_tokens > max_len:
-            raise ValueError(
-                f"add_request: prompt length {len(prompt)} + max_new_tokens {max_new_tokens} "
-                f"= {len(prompt) + max_new_tokens}, expected <= max_model_len ({max_len})"
+                f"add_request: prompt length {len(prompt)} + max_tokens {params.max_tokens} "
+                f"= {total}, expected <= max_model_len ({max_len})"
             )
         needed = config.encoder_blocks_for(len(prompt))
         if needed > config.num_encoder_blocks:
@@ -109,19 +166,22 @@ class Request:
                 f"add_request: a prompt of {len(prompt)} tokens needs {needed} encoder blocks, "
                 f"expected <= {config.num_encoder_blocks} (the encoder region)"
             )
-        eos_token_ids = normalize_eos(eos_token_id, default_eos_token_ids, vocab_size)
-        if not temperature >= 0.0:
+        _check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
+        if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(
-                f"add_request: argument 'temperature': expected >= 0, got {temperature!r}"
+                f"add_request: argument 'stop_token_ids': expected at most "
+                f"{MAX_STOP_TOKEN_IDS} ids, got {len(params.stop_token_ids)}"
             )
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"add_request: argument 'top_p': expected in (0, 1], got {top_p!r}")
-        return cls(
-            request_id,
-            prompt,
-            int(max_new_tokens),
-            eos_token_ids,
-            float(temperature),
-            float(top_p),
-            sampling_key,
-        )
+        _check_token_ids("logit_bias", params.logit_bias, vocab_size)
+        if len(params.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"add_request: argument 'logit_bias': expected at most {MAX_LOGIT_BIAS} "
+                f"entries, got {len(params.logit_bias)}"
+            )
+        draws = params.best_of or params.n
+        if draws > 1 and params.constraint is not None:
+            raise ValueError(
+                f"add_request: argument 'n': expected 1 with a constraint (one constraint "
+                f"object follows one sample), got n={params.n}, best_of={params.best_of}"
+            )
+        return request

@@ -20,23 +20,85 @@ import numpy as np
 
 from ..config import EngineConfig
 from .block_allocator import EncoderBlockAllocator
-from .outputs import FINISH_ABORT, FINISH_EOS, FINISH_LENGTH, GenerationResult
+from .outputs import (
+    FINISH_ABORT,
+    FINISH_EOS,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerationResult,
+    SampleOutput,
+    StepToken,
+    TokenLogprobs,
+)
 from .prefix_cache import cacheable_blocks, prompt_block_hashes
 from .request import Request
 
 if TYPE_CHECKING:
     from .outputs import StepOutcome
 
-__all__ = ["Scheduler"]
+__all__ = ["SamplingPlan", "Scheduler", "StepLogprobs"]
 
 logger = logging.getLogger(__name__)
 
 
 class AbortedRequest(NamedTuple):
-    """What ``Scheduler.abort`` took out: the slot it ran in (None: it was waiting)."""
+    """What ``Scheduler.abort`` took out: a slot one of its samples ran in (None: it was
+    waiting)."""
 
     slot: int | None
     was_preempted: bool
+
+
+# Columns of Scheduler.slot_controls: the sampling controls a slot's request uses.
+PENALTIES, REPETITION, LOGIT_BIAS, MIN_TOKENS, TOP_K, MIN_P, CONSTRAINT = range(7)
+
+
+def _controls_of(request: Request) -> list[bool]:
+    params = request.params
+    return [
+        bool(params.presence_penalty or params.frequency_penalty),
+        params.repetition_penalty != 1.0,
+        bool(params.logit_bias),
+        params.min_tokens > 0,
+        params.top_k > 0,
+        params.min_p > 0.0,
+        params.constraint is not None,
+    ]
+
+
+@dataclass
+class SamplingPlan:
+    """What this step's sampling needs, from the running slots' requests: which controls
+    some slot uses (the others are skipped), the widest ``logit_bias``, the allowed-token
+    mask of constrained slots ([B, V], all True elsewhere), and the most logprob
+    alternatives a slot asks for (None: no slot needs logprobs)."""
+
+    penalties: bool = False
+    repetition: bool = False
+    bias_width: int = 0
+    min_tokens: bool = False
+    top_k: bool = False
+    min_p: bool = False
+    allowed: np.ndarray | None = None
+    logprobs_top: int | None = None
+
+    @property
+    def is_plain(self) -> bool:
+        """Nothing but temperature and top_p: the sampler's fast path."""
+        return not (
+            self.penalties or self.repetition or self.bias_width or self.min_tokens
+            or self.top_k or self.min_p or self.allowed is not None
+            or self.logprobs_top is not None
+        )  # fmt: skip
+
+
+class StepLogprobs(NamedTuple):
+    """A step's logprobs on the host, per slot: of the sampled token [B], and the top
+    alternatives' ids and logprobs [B, k] (None when no slot asked for any)."""
+
+    chosen: np.ndarray
+    top_ids: np.ndarray | None
+    top_values: np.ndarray | None
 
 
 class PrefillChunk(NamedTuple):
@@ -72,10 +134,13 @@ class StepPlan:
 class Scheduler:
     """Which request is in which slot, and which requests wait.
 
-    Slot mirrors: ``live`` (holds a request, running or preempted), ``running`` (not
-    ``stop_flags``), ``preempted`` (``is_block_step``), ``step_idx``, the slot's request
-    id, its sampling key and whether it samples (temperature > 0); ``generated[b, k]`` is
-    the k-th token (1-based, like ``pre_ids``) of slot b's request.
+    Each slot holds one sample of a request (a request with ``n`` or ``best_of`` > 1 has
+    that many samples, queued one after the other). Slot mirrors: ``live`` (holds a
+    sample, running or preempted), ``running`` (not ``stop_flags``), ``preempted``
+    (``is_block_step``), ``step_idx``, the slot's request id, its sampling key, whether it
+    samples (temperature > 0), the sampling controls it uses and the logprobs it needs;
+    ``generated[b, k]`` is the k-th token (1-based, like ``pre_ids``) of slot b's sample,
+    ``token_logprobs[b]`` their logprobs when asked.
 
     Host-only per slot: ``computed`` (positions whose K/V the cache holds) and
     ``prefill_end`` (positions to compute before the slot samples again: its prompt, or
@@ -99,7 +164,19 @@ class Scheduler:
         self.slot_request_ids = np.full(batch, -1, dtype=np.int64)
         self.slot_sampling_keys = np.zeros(batch, dtype=np.uint64)
         self.slot_samples = np.zeros(batch, dtype=bool)
+        self.slot_controls = np.zeros((batch, CONSTRAINT + 1), dtype=bool)
+        self.slot_bias_width = np.zeros(batch, dtype=np.int64)
+        self.slot_logprobs_top = np.full(batch, -1, dtype=np.int64)  # -1: none
+        self.slot_sample_index = np.zeros(batch, dtype=np.int64)
+        # It uses a sampling control or needs logprobs (sampling_plan looks closer).
+        self.slot_uses_more = np.zeros(batch, dtype=bool)
+        # Its streamed tokens need more than (request id, index, token): logprobs, a
+        # constraint that may end it, or max_tokens 0 (nothing streamed).
+        self.slot_special = np.zeros(batch, dtype=bool)
         self.generated = np.full((batch, config.max_model_len), -1, dtype=np.int64)
+        self.token_logprobs: list[list[TokenLogprobs]] = [[] for _ in range(batch)]
+        # Finished samples of requests with samples still running.
+        self._finished_samples: dict[int, list[SampleOutput]] = {}
         self.computed = np.zeros(batch, dtype=np.int64)
         self.prefill_end = np.zeros(batch, dtype=np.int64)
         self.prompt_tokens_queried = 0
@@ -194,6 +271,8 @@ class Scheduler:
             hits = allocator.cached_prefix(
                 request.block_hashes[: cacheable_blocks(prompt_len, config.block_size)]
             )
+            if request.params.prompt_logprobs is not None:
+                hits = []  # its prompt logprobs need the logits of every position
             fresh = config.encoder_blocks_for(prompt_len) - len(hits)
             reclaimed = sum(allocator.ref_count(block) == 0 for block in hits)
             if allocator.num_free - reclaimed < fresh:
@@ -212,42 +291,92 @@ class Scheduler:
             self.step_idx[slot] = 0
             self.slot_request_ids[slot] = request.request_id
             self.slot_sampling_keys[slot] = request.sampling_key
-            self.slot_samples[slot] = request.temperature > 0
+            self._set_slot_params(slot, request)
             self.computed[slot] = request.num_cached_tokens
             self.prefill_end[slot] = prompt_len
             plan.admitted.append(slot)
             plan.chunks.append(self._plan_chunk(slot, budget))
             budget -= len(plan.chunks[-1].token_ids)
 
+    def _set_slot_params(self, slot: int, request: Request) -> None:
+        """The slot mirrors of ``request``'s sampling parameters."""
+        params = request.params
+        self.slot_samples[slot] = not params.greedy
+        self.slot_controls[slot] = _controls_of(request)
+        self.slot_bias_width[slot] = len(params.logit_bias)
+        self.slot_sample_index[slot] = request.index
+        self.slot_special[slot] = (
+            params.logprobs is not None or params.constraint is not None or params.max_tokens == 0
+        )
+        top = request.logprobs_top
+        self.slot_logprobs_top[slot] = -1 if top is None else top
+        self.slot_uses_more[slot] = self.slot_controls[slot].any() or top is not None
+        self.token_logprobs[slot] = []
+
+    def sampling_plan(self, vocab_size: int, unsampled: list[int]) -> SamplingPlan:
+        """What sampling needs this step, from the slots that sample in it (running and
+        not in the middle of their prompt: ``unsampled``)."""
+        running = self.running
+        if unsampled:
+            running = running.copy()
+            running[unsampled] = False
+        if not (self.slot_uses_more & running).any():  # the usual batch: cheap to tell
+            return SamplingPlan()
+        used = self.slot_controls[running].any(axis=0)
+        plan = SamplingPlan(
+            penalties=bool(used[PENALTIES]),
+            repetition=bool(used[REPETITION]),
+            bias_width=int(self.slot_bias_width[running].max(initial=0)),
+            min_tokens=bool(used[MIN_TOKENS]),
+            top_k=bool(used[TOP_K]),
+            min_p=bool(used[MIN_P]),
+        )
+        tops = self.slot_logprobs_top[running]
+        if (tops >= 0).any():
+            plan.logprobs_top = int(tops.max())
+        if used[CONSTRAINT]:
+            plan.allowed = np.ones((self.config.max_batch, vocab_size), dtype=bool)
+            for slot in np.flatnonzero(running & self.slot_controls[:, CONSTRAINT]).tolist():
+                mask = self.slot_requests[slot].params.constraint.allowed_tokens(vocab_size)
+                if mask is not None:
+                    plan.allowed[slot] = mask
+        return plan
+
     def slot_of(self, request_id: int) -> int | None:
         """The slot holding ``request_id``, or None."""
         slots = np.flatnonzero(self.live & (self.slot_request_ids == request_id))
         return int(slots[0]) if slots.size else None
 
-    def abort(self, request_id: int) -> AbortedRequest | None:
-        """Takes ``request_id`` out of the schedule; None if it is not unfinished here.
+    def abort(self, request_id: int) -> list[AbortedRequest]:
+        """Takes ``request_id`` out of the schedule; empty if it is not unfinished here.
 
-        A waiting request leaves the queue (``slot`` None). A request in a slot is marked
-        aborted and stops running; it is retired after the next step, when ``step_paddle``
-        has freed its decoder blocks. ``was_preempted``: it sat in ``step_block_list``,
-        which it has now left without being recovered.
+        A waiting request leaves the queue (``slot`` None). Each of its samples in a slot
+        is marked aborted and stops running; it is retired after the next step, when
+        ``step_paddle`` has freed its decoder blocks. ``was_preempted``: it sat in
+        ``step_block_list``, which it has now left without being recovered.
         """
-        for request in self.waiting:
-            if request.request_id == request_id:
-                self.waiting.remove(request)
-                return AbortedRequest(slot=None, was_preempted=False)
-        slot = self.slot_of(request_id)
-        if slot is None or self.slot_requests[slot].aborted:
-            return None
-        self.slot_requests[slot].aborted = True
-        was_preempted = bool(self.preempted[slot])
-        self.running[slot] = False
-        self.preempted[slot] = False
-        return AbortedRequest(slot=slot, was_preempted=was_preempted)
+        aborted = []
+        waiting = [r for r in self.waiting if r.request_id == request_id]
+        for request in waiting:
+            self.waiting.remove(request)
+            aborted.append(AbortedRequest(slot=None, was_preempted=False))
+        if waiting and self.slot_of(request_id) is not None:
+            # Samples already in slots finish as aborted; those never admitted too.
+            self._finished_samples.setdefault(request_id, []).extend(
+                SampleOutput(r.index, [], FINISH_ABORT) for r in waiting
+            )
+        for slot in np.flatnonzero(self.live & (self.slot_request_ids == request_id)).tolist():
+            if self.slot_requests[slot].aborted or not (self.running[slot] or self.preempted[slot]):
+                continue  # already stopping
+            self.slot_requests[slot].aborted = True
+            aborted.append(AbortedRequest(slot=slot, was_preempted=bool(self.preempted[slot])))
+            self.running[slot] = False
+            self.preempted[slot] = False
+        return aborted
 
-    def record(self, outcome: StepOutcome) -> None:
-        """Takes in a step's results: tokens generated, slot flags, step_idx, preemptions
-        and recoveries.
+    def record(self, outcome: StepOutcome, logprobs: StepLogprobs | None = None) -> None:
+        """Takes in a step's results: tokens generated (and their logprobs), slot flags,
+        step_idx, preemptions and recoveries.
 
         A preempted slot lost the K/V in its decoder blocks; its prompt blocks, which it
         keeps, still hold theirs. A recovered one (``step_paddle`` set it up to re-prefill
@@ -266,39 +395,137 @@ class Scheduler:
         for slot in outcome.recovered_slots.tolist():
             prompt_len = len(self.slot_requests[slot].prompt_ids)
             self.prefill_end[slot] = prompt_len + self.step_idx[slot]
+        if logprobs is None:
+            return
+        for slot in rows[self.slot_logprobs_top[rows] >= 0].tolist():
+            top = int(self.slot_logprobs_top[slot])
+            pairs = []
+            if top:
+                pairs = list(
+                    zip(
+                        logprobs.top_ids[slot, :top].tolist(),
+                        logprobs.top_values[slot, :top].tolist(),
+                    )
+                )
+            self.token_logprobs[slot].append(
+                TokenLogprobs(int(outcome.tokens[slot]), float(logprobs.chosen[slot]), pairs)
+            )
+
+    def advance_constraints(self, rows: np.ndarray, outcome: StepOutcome) -> None:
+        """Reports each constrained slot's sampled token to its constraint, and notes the
+        constraints now finished (``take_constraint_stops`` stops their slots)."""
+        if not self.slot_controls[:, CONSTRAINT].any():
+            return
+        for slot in rows[self.slot_controls[rows, CONSTRAINT]].tolist():
+            request = self.slot_requests[slot]
+            constraint = request.params.constraint
+            constraint.accept_token(int(outcome.tokens[slot]))
+            if constraint.is_finished():
+                request.constraint_finished = True
+
+    def take_constraint_stops(self) -> list[AbortedRequest]:
+        """The slots still going whose constraint finished in the last step, now taken out
+        of the running like an abort (between steps, so ``step_paddle`` frees their decoder
+        blocks before they retire); they finish with reason ``"stop"``."""
+        stops = []
+        if not self.slot_controls[:, CONSTRAINT].any():
+            return stops
+        going = (self.running | self.preempted) & self.slot_controls[:, CONSTRAINT]
+        for slot in np.flatnonzero(going).tolist():
+            if self.slot_requests[slot].constraint_finished:
+                stops.append(AbortedRequest(slot=slot, was_preempted=bool(self.preempted[slot])))
+                self.running[slot] = False
+                self.preempted[slot] = False
+        return stops
 
     def finished_slots(self) -> np.ndarray:
-        """Slots whose request stopped for good (stopped and not preempted)."""
+        """Slots whose sample stopped for good (stopped and not preempted)."""
         return np.flatnonzero(self.live & ~self.running & ~self.preempted)
 
+    def _token_ids(self, slot: int) -> list[int]:
+        """The tokens slot ``slot``'s sample keeps (none for ``max_tokens`` 0, whose
+        prefill samples one that is dropped)."""
+        request = self.slot_requests[slot]
+        kept = min(int(self.step_idx[slot]), request.params.max_tokens)
+        return self.generated[slot, 1 : kept + 1].tolist()
+
+    def _finish_reason(self, slot: int) -> str:
+        """Why slot ``slot``'s sample stopped (call once it has)."""
+        request = self.slot_requests[slot]
+        last = int(self.generated[slot, self.step_idx[slot]]) if self.step_idx[slot] else -1
+        if request.aborted:
+            return FINISH_ABORT
+        if not request.params.max_tokens:
+            return FINISH_LENGTH
+        if last in request.eos_token_ids:
+            return FINISH_EOS
+        if last in request.stop_token_ids or request.constraint_finished:
+            return FINISH_STOP
+        return FINISH_LENGTH
+
+    def step_tokens(self, rows: np.ndarray, outcome: StepOutcome) -> list[StepToken]:
+        """The tokens a step generated in slots ``rows`` (after ``record`` and
+        ``advance_constraints``), each with its sample's finish reason when it ended it."""
+        ended = ~self.running & ~self.preempted
+        tokens = [
+            StepToken(request_id, index, token)
+            for request_id, index, token in zip(
+                self.slot_request_ids[rows].tolist(),
+                self.slot_sample_index[rows].tolist(),
+                outcome.tokens[rows].tolist(),
+            )
+        ]
+        special = ended | self.slot_special
+        if not special[rows].any():  # the usual decode step: nothing more to say
+            return tokens
+        kept = []
+        for token, slot in zip(tokens, rows.tolist()):
+            if special[slot]:
+                request = self.slot_requests[slot]
+                if request.params.max_tokens == 0:
+                    continue  # the token a prompt-logprobs prefill samples is dropped
+                if request.params.logprobs is not None:
+                    token.logprobs = self.token_logprobs[slot][-1]
+                if ended[slot] or request.constraint_finished:
+                    token.finish_reason = self._finish_reason(slot)
+            kept.append(token)
+        return kept
+
+    def _sample_output(self, slot: int) -> SampleOutput:
+        request = self.slot_requests[slot]
+        params = request.params
+        tokens = self._token_ids(slot)
+        entries = self.token_logprobs[slot][: len(tokens)]
+        logprobs = entries if params.logprobs is not None else None
+        cumulative = None
+        if request.logprobs_top is not None:
+            cumulative = float(sum(entry.logprob for entry in entries))
+        return SampleOutput(request.index, tokens, self._finish_reason(slot), logprobs, cumulative)
+
     def retire(self, slots: np.ndarray) -> list[GenerationResult]:
-        """The results of the requests in ``slots``; frees their prompt blocks and slots."""
+        """Frees the slots in ``slots`` and their prompt blocks; returns the results of the
+        requests whose last sample this was."""
         results = []
         for slot in slots.tolist():
             request = self.slot_requests[slot]
-            token_ids = self.generated[slot, 1 : self.step_idx[slot] + 1].tolist()
-            if request.aborted:
-                reason = FINISH_ABORT
-            elif token_ids and token_ids[-1] in request.eos_token_ids:
-                reason = FINISH_EOS
-            else:
-                reason = FINISH_LENGTH
-            results.append(
-                GenerationResult(
-                    request.request_id,
-                    request.prompt_ids,
-                    token_ids,
-                    reason,
-                    cached_tokens=request.num_cached_tokens,
-                )
-            )
+            samples = self._finished_samples.setdefault(request.request_id, [])
+            samples.append(self._sample_output(slot))
             self.encoder_blocks.free(request.encoder_blocks)
             self.slot_requests[slot] = None
+            self.token_logprobs[slot] = []
+            first = request.samples[0]
+            if len(samples) == len(first.samples):
+                del self._finished_samples[request.request_id]
+                results.append(_result(first, samples))
         self.live[slots] = False
         self.computed[slots] = 0
         self.prefill_end[slots] = 0
         self.slot_request_ids[slots] = -1
         self.slot_samples[slots] = False
+        self.slot_controls[slots] = False
+        self.slot_logprobs_top[slots] = -1
+        self.slot_special[slots] = False
+        self.slot_uses_more[slots] = False
         return results
 
     def stall_reason(self) -> str:
@@ -356,3 +583,18 @@ class Scheduler:
                 )
         problems.extend(allocator.problems())
         return problems
+
+
+def _result(request: Request, samples: list[SampleOutput]) -> GenerationResult:
+    """A request's result from all its samples: with ``best_of`` > ``n``, the ``n`` with
+    the highest cumulative logprob (re-indexed 0 .. n-1), else all in index order."""
+    params = request.params
+    if len(samples) > params.n:
+        samples = sorted(samples, key=lambda sample: -sample.cumulative_logprob)[: params.n]
+        for index, sample in enumerate(samples):
+            sample.index = index
+    else:
+        samples = sorted(samples, key=lambda sample: sample.index)
+    return GenerationResult(request.request_id, request.prompt_ids, samples,
+                            request.prompt_logprobs,
+                            cached_tokens=request.num_cached_tokens)  # fmt: skip

@@ -20,7 +20,7 @@ import paddle
 from ..config import EngineConfig
 from ..spec.check_state import check_state
 from ..spec.tensor_table import STEP_PADDLE_TENSORS
-from .request import MAX_EOS_IDS
+from .request import MAX_LOGIT_BIAS, MAX_STOP_IDS
 
 __all__ = ["ShareInputs"]
 
@@ -31,8 +31,12 @@ class ShareInputs:
     Attributes named like ``step_paddle``'s arguments (see ``STEP_PADDLE_TENSORS``) are its
     tensors; the others are:
 
-    - ``eos_token_ids`` [B, MAX_EOS_IDS] int64 (-1 pads), ``max_new_tokens`` [B] int64,
-      ``temperature`` [B] and ``top_p`` [B] float32: each slot's request parameters;
+    - ``eos_token_ids`` [B, MAX_STOP_IDS] int64 (-1 pads): the ids that stop the slot
+      (its eos ids, then its stop_token_ids); ``max_new_tokens`` [B] int64,
+      ``temperature``, ``top_p``, ``min_p`` and the three penalties [B] float32,
+      ``top_k`` and ``min_tokens`` [B] int64, ``logit_bias_ids`` [B, MAX_LOGIT_BIAS] int64
+      (-1 pads) and ``logit_bias_values`` float32, ``prompt_ids`` [B, max_model_len] int64
+      (-1 pads, for repetition_penalty): each slot's request parameters;
     - ``input_tokens``, ``input_positions``, ``slot_mapping`` [B] int64, ``context_lens``
       [B] int32 and ``decode_active`` [B] bool: ``advance_step``'s outputs, the next
       step's decode inputs (token, its position, its KV slot, context length) and which
@@ -83,10 +87,20 @@ class ShareInputs:
         self.next_tokens = per_slot(-1, np.int64)
         self.first_token_ids = per_slot(-1, np.int64)
         # --- request parameters ---
-        self.eos_token_ids = tensor(np.full([batch, MAX_EOS_IDS], -1, np.int64))
+        self.eos_token_ids = tensor(np.full([batch, MAX_STOP_IDS], -1, np.int64))
         self.max_new_tokens = per_slot(0, np.int64)
         self.temperature = per_slot(0.0, np.float32)
         self.top_p = per_slot(1.0, np.float32)
+        self.top_k = per_slot(0, np.int64)
+        self.min_p = per_slot(0.0, np.float32)
+        self.presence_penalty = per_slot(0.0, np.float32)
+        self.frequency_penalty = per_slot(0.0, np.float32)
+        self.repetition_penalty = per_slot(1.0, np.float32)
+        self.min_tokens = per_slot(0, np.int64)
+        self.logit_bias_ids = tensor(np.full([batch, MAX_LOGIT_BIAS], -1, np.int64))
+        self.logit_bias_values = tensor(np.zeros([batch, MAX_LOGIT_BIAS], np.float32))
+        # The prompt (-1 pads): input_ids holds only each step's chunk.
+        self.prompt_ids = tensor(np.full([batch, width], -1, np.int64))
         # --- advance_step's outputs: the next step's decode inputs ---
         self.input_tokens = per_slot(0, np.int64)
         self.input_positions = per_slot(0, np.int64)

@@ -1,4 +1,12 @@
-"""Token sampling shared by the engine and the naive reference.
+"""Token sampling shared by the engine and the naive reference: per-row sampling controls
+over a whole batch of logits, the draw, and logprobs.
+
+Every control is per row, so one batch mixes requests that use any of them; each is a
+few vectorized paddle ops over [R, V] and is skipped when no row of the batch uses it
+(a ``SamplingControls`` field left None). The order is vLLM's: the allowed-token mask
+(structured output), eos/stop masking under ``min_tokens``, ``logit_bias``, the penalties
+(repetition, then frequency and presence), then greedy rows take the argmax and the
+others sample at their temperature from what ``min_p``, ``top_k`` and ``top_p`` keep.
 
 Random draws come from a counter-based generator keyed by (request key, token index)
 rather than from a stream consumed step by step, so a request samples the same tokens
@@ -10,16 +18,28 @@ its arrival order), else from the engine's seed and its request id.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import numpy as np
 import paddle
 
-__all__ = ["sample_tokens", "sampling_key", "sampling_uniforms"]
+__all__ = [
+    "SamplingControls",
+    "apply_controls",
+    "log_softmax",
+    "sample_tokens",
+    "sample_key",
+    "sampling_key",
+    "sampling_uniforms",
+    "token_counts",
+    "token_logprobs",
+]
 
-# paddle 2.6's argsort has no `stable`; its CPU sort is deterministic per row
-# all the same, which is what keeps engine and naive draws equal.
-_ARGSORT_OPTIONS = (
-    {"stable": True} if "stable" in inspect.signature(paddle.argsort).parameters else {}
+# put_along_axis broadcasts its indices unless told not to (paddle >= 2.6).
+_PUT_OPTIONS = (
+    {"broadcast": False}
+    if "broadcast" in inspect.signature(paddle.put_along_axis).parameters
+    else {}
 )
 
 _MASK64 = (1 << 64) - 1
@@ -40,6 +60,12 @@ def sampling_key(seed: int, request_id: int = 0) -> int:
     return int(_splitmix64(mixed)[0])
 
 
+def sample_key(key: int, index: int) -> int:
+    """The key of sample ``index`` of a request keyed ``key`` (``n`` > 1): sample 0 keeps
+    the request's key, so it draws what the request would alone."""
+    return key if index == 0 else sampling_key(key, index)
+
+
 def sampling_uniforms(keys: np.ndarray, token_index: np.ndarray) -> np.ndarray:
     """One float64 in [0, 1) per entry, a pure function of (key, token index)."""
     keys = np.asarray(keys).astype(np.uint64)
@@ -48,37 +74,208 @@ def sampling_uniforms(keys: np.ndarray, token_index: np.ndarray) -> np.ndarray:
     return (bits >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
+@dataclass
+class SamplingControls:
+    """Per-row controls of one batch on the device ([R] unless noted). A field left None
+    is off for every row; a row that does not use a control set for the batch holds its
+    neutral value (0 for ``top_k``, penalties and ``min_p``, 1 for ``repetition_penalty``,
+    -1 pads for the id tables).
+
+    ``allowed`` [R, V] bool: the tokens a row may take next (structured output).
+    ``banned`` [R, S] int64: ids a row may not take now (its eos and stop ids while under
+    ``min_tokens``). ``bias_ids``/``bias_values`` [R, K]: ``logit_bias``.
+    ``output_tokens`` [R, L] int64: the tokens each row generated so far, -1 pads (for
+    ``presence_penalty``, ``frequency_penalty`` and ``repetition_penalty``);
+    ``prompt_tokens`` [R, L'] int64: its prompt, -1 pads (``repetition_penalty`` only).
+    """
+
+    allowed: paddle.Tensor | None = None
+    banned: paddle.Tensor | None = None
+    bias_ids: paddle.Tensor | None = None
+    bias_values: paddle.Tensor | None = None
+    output_tokens: paddle.Tensor | None = None
+    prompt_tokens: paddle.Tensor | None = None
+    presence_penalty: paddle.Tensor | None = None
+    frequency_penalty: paddle.Tensor | None = None
+    repetition_penalty: paddle.Tensor | None = None
+    top_k: paddle.Tensor | None = None
+    min_p: paddle.Tensor | None = None
+
+    def changes_logits(self) -> bool:
+        """Whether ``apply_controls`` has anything to do."""
+        return any(
+            value is not None
+            for value in (self.allowed, self.banned, self.bias_ids, self.output_tokens)
+        )
+
+
+def _scatter(width: int, ids: paddle.Tensor, values: paddle.Tensor) -> paddle.Tensor:
+    """[R, width]: the sums of ``values`` [R, N] at ``ids`` [R, N] per row; ids < 0 add
+    nothing (they add 0 at id 0)."""
+    valid = ids >= 0
+    ids = paddle.where(valid, ids, paddle.zeros_like(ids))
+    values = paddle.where(valid, values, paddle.zeros_like(values))
+    out = paddle.zeros([ids.shape[0], width], dtype=values.dtype)
+    return paddle.put_along_axis(out, ids, values, axis=1, reduce="add", **_PUT_OPTIONS)
+
+
+def token_counts(tokens: paddle.Tensor, vocab_size: int, dtype: str) -> paddle.Tensor:
+    """[R, V] in ``dtype``: how often each id occurs in each row of ``tokens`` [R, L]
+    (-1 pads)."""
+    return _scatter(vocab_size, tokens, paddle.ones(tokens.shape, dtype=dtype))
+
+
+def log_softmax(logits: paddle.Tensor) -> paddle.Tensor:
+    """Row-wise log-softmax of [R, V] (paddle's own kernel is ~30x slower on the CPU)."""
+    shifted = logits - paddle.max(logits, axis=-1, keepdim=True)
+    return shifted - paddle.log(paddle.sum(paddle.exp(shifted), axis=-1, keepdim=True))
+
+
+def apply_controls(logits: paddle.Tensor, controls: SamplingControls) -> paddle.Tensor:
+    """The logits [R, V] after the controls that change them, in vLLM's order (the
+    allowed mask, ``banned``, the bias, then the penalties); a new tensor."""
+    vocab, dtype = logits.shape[1], logits.dtype
+    floor = paddle.full_like(logits, float("-inf"))
+    if controls.allowed is not None:
+        logits = paddle.where(controls.allowed, logits, floor)
+    if controls.banned is not None:
+        hits = _scatter(vocab, controls.banned, paddle.ones(controls.banned.shape, dtype=dtype))
+        logits = paddle.where(hits > 0, floor, logits)
+    if controls.bias_ids is not None:
+        logits = logits + _scatter(vocab, controls.bias_ids, controls.bias_values.astype(dtype))
+    if controls.output_tokens is not None:
+        counts = token_counts(controls.output_tokens, vocab, dtype)
+        if controls.repetition_penalty is not None:
+            # vLLM's: over prompt and generated tokens, positive logits divided by the
+            # penalty, negative ones multiplied.
+            seen = counts > 0
+            if controls.prompt_tokens is not None:
+                seen = seen | (token_counts(controls.prompt_tokens, vocab, dtype) > 0)
+            penalty = controls.repetition_penalty.astype(dtype).unsqueeze(1)
+            penalized = paddle.where(logits > 0, logits / penalty, logits * penalty)
+            logits = paddle.where(seen, penalized, logits)
+        if controls.frequency_penalty is not None:
+            # OpenAI's: over generated tokens, minus count * frequency, minus presence once.
+            frequency = controls.frequency_penalty.astype(dtype).unsqueeze(1)
+            presence = controls.presence_penalty.astype(dtype).unsqueeze(1)
+            logits = logits - counts * frequency - (counts > 0).astype(dtype) * presence
+    return logits
+
+
 def sample_tokens(
     logits: paddle.Tensor,
     temperature: paddle.Tensor,
     top_p: paddle.Tensor,
     uniforms: paddle.Tensor | None,
+    top_k: paddle.Tensor | None = None,
+    min_p: paddle.Tensor | None = None,
 ) -> paddle.Tensor:
     """Next token of each row of ``logits`` [R, V]: int64 [R].
 
     Rows with ``temperature`` 0 take the argmax (lowest id on ties). The others sample from
-    ``softmax(logits / temperature)`` cut to the smallest set of most likely tokens whose
-    mass reaches ``top_p`` (nucleus sampling), by inverting its CDF at ``uniforms`` [R].
-    ``uniforms`` may be None when every row is greedy.
+    ``softmax(logits / temperature)`` cut to the tokens whose probability is at least
+    ``min_p`` times the largest, then to the ``top_k`` most likely (0: all), then to the
+    smallest set of most likely tokens whose mass reaches ``top_p`` of what is left
+    (nucleus sampling); a token tied with the last one kept is kept too. The draw inverts
+    the CDF of the kept tokens, in id order, at ``uniforms`` [R]. ``uniforms`` may be None
+    when every row is greedy; ``top_k`` and ``min_p`` None when no row uses them.
+
+    Each cut is a threshold on the probabilities, so no row sorts its whole vocabulary
+    unless its nucleus reaches past the ``_NUCLEUS_CANDIDATES`` most likely tokens.
     """
     greedy = paddle.argmax(logits, axis=-1)
     if uniforms is None:
         return greedy
     scale = paddle.clip(temperature, min=1e-6).astype(logits.dtype).unsqueeze(1)
     probs = paddle.nn.functional.softmax(logits / scale, axis=-1)
-    order = paddle.argsort(probs, axis=-1, descending=True, **_ARGSORT_OPTIONS)
-    sorted_probs = paddle.take_along_axis(probs, order, axis=-1)
-    mass_before = paddle.cumsum(sorted_probs, axis=-1) - sorted_probs
-    # The most likely token is always kept, so top_p near 0 degrades to greedy.
-    kept = paddle.where(
-        mass_before < top_p.astype(logits.dtype).unsqueeze(1),
-        sorted_probs,
-        paddle.zeros_like(sorted_probs),
-    )
-    cdf = paddle.cumsum(kept, axis=-1)
-    target = uniforms.astype(logits.dtype).unsqueeze(1) * cdf[:, -1:]
-    # The first rank whose CDF reaches the target; cut tokens add no mass, so it is a
-    # kept one even when rounding makes the target equal the total.
-    rank = paddle.sum((cdf < target).astype("int64"), axis=-1)
-    sampled = paddle.take_along_axis(order, rank.unsqueeze(1), axis=-1).squeeze(1)
+    zeros = paddle.zeros_like(probs)
+    if min_p is not None:
+        largest = paddle.max(probs, axis=-1, keepdim=True)
+        probs = paddle.where(
+            probs >= min_p.astype(probs.dtype).unsqueeze(1) * largest, probs, zeros
+        )
+    cut = (top_p < 1.0).numpy()
+    widest = int(paddle.max(top_k)) if top_k is not None else 0
+    if widest > 0 or cut.any():
+        # One topk serves both cuts: the top_k floors and the nucleus candidates.
+        width = min(max(widest, _NUCLEUS_CANDIDATES), probs.shape[1])
+        largest = paddle.topk(probs, width, axis=-1)[0]  # [R, width], descending
+        if widest > 0:
+            probs, largest = _cut_to_top_k(probs, largest, top_k)
+        if cut.any():
+            floor = _nucleus_floor(probs, largest, top_p, cut)
+            probs = paddle.where(probs >= floor, probs, zeros)
+    cdf = paddle.cumsum(probs, axis=-1)
+    target = uniforms.astype(probs.dtype).unsqueeze(1) * cdf[:, -1:]
+    # The first token whose CDF passes the target has mass, so it is a kept one.
+    sampled = paddle.clip(paddle.sum((cdf <= target).astype("int64"), axis=-1),
+                          max=probs.shape[1] - 1)  # fmt: skip
+    # Rounding can put a draw within float precision of 1 past the last kept token.
+    chosen = paddle.take_along_axis(probs, sampled.unsqueeze(1), axis=-1).squeeze(1)
+    sampled = paddle.where(chosen > 0, sampled, paddle.argmax(probs, axis=-1))
     return paddle.where(temperature > 0, sampled, greedy)
+
+
+# How many of a row's most likely tokens the nucleus search looks at before it sorts the
+# whole row (a full sort of a 32k vocabulary costs far more than the rest of sampling).
+_NUCLEUS_CANDIDATES = 64
+
+
+def _cut_to_top_k(
+    probs: paddle.Tensor, largest: paddle.Tensor, top_k: paddle.Tensor
+) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """Keeps each row's ``top_k`` most likely tokens (and ties of the last); 0 keeps all.
+    ``largest`` [R, W >= max top_k] are each row's W largest probabilities, descending;
+    returns the cut probabilities and ``largest`` cut the same way."""
+    width = largest.shape[1]
+    position = paddle.clip(top_k - 1, min=0, max=width - 1).unsqueeze(1)
+    floor = paddle.take_along_axis(largest, position, axis=-1)
+    floor = paddle.where(top_k.unsqueeze(1) > 0, floor, paddle.zeros_like(floor))
+    probs = paddle.where(probs >= floor, probs, paddle.zeros_like(probs))
+    return probs, paddle.where(largest >= floor, largest, paddle.zeros_like(largest))
+
+
+def _nucleus_floor(
+    probs: paddle.Tensor, largest: paddle.Tensor, top_p: paddle.Tensor, cut: np.ndarray
+) -> paddle.Tensor:
+    """[R, 1]: the probability of the least likely token of each row's nucleus (0 for
+    rows that ``cut`` leaves whole): of its tokens by decreasing probability, the last
+    one whose predecessors' mass is under ``top_p`` of the row's total. ``largest`` are
+    the row's most likely probabilities, descending (the candidates)."""
+    need = top_p.astype(probs.dtype).unsqueeze(1) * paddle.sum(probs, axis=-1, keepdim=True)
+    floor, covered = _floor_among(largest, need)
+    # Rows whose nucleus may reach past the candidates sort their whole row.
+    longer = np.flatnonzero(cut & ~covered.numpy())
+    if longer.size and largest.shape[1] < probs.shape[1]:
+        rows = paddle.to_tensor(longer)
+        ordered = paddle.sort(paddle.gather(probs, rows), axis=-1, descending=True)
+        floor = paddle.scatter(floor, rows, _floor_among(ordered, paddle.gather(need, rows))[0])
+    keep_whole = paddle.to_tensor(~cut).unsqueeze(1)
+    return paddle.where(keep_whole, paddle.zeros_like(floor), floor)
+
+
+def _floor_among(
+    ordered: paddle.Tensor, need: paddle.Tensor
+) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """For rows of probabilities in decreasing order [R, W]: the last value whose
+    predecessors' mass is under ``need`` [R, 1], and whether the nucleus surely ends
+    within these W values."""
+    cumulative = paddle.cumsum(ordered, axis=-1)
+    inside = paddle.sum((cumulative - ordered < need).astype("int64"), axis=-1, keepdim=True)
+    floor = paddle.take_along_axis(ordered, paddle.clip(inside - 1, min=0), axis=-1)
+    covered = (inside < ordered.shape[1]).squeeze(1) | (cumulative[:, -1:] >= need).squeeze(1)
+    return floor, covered
+
+
+def token_logprobs(
+    logits: paddle.Tensor, tokens: paddle.Tensor, top: int
+) -> tuple[paddle.Tensor, paddle.Tensor | None, paddle.Tensor | None]:
+    """Logprobs of the raw distribution of each row of ``logits`` [R, V] (a log-softmax in
+    the logits' dtype): of ``tokens`` [R], and the ``top`` most likely ids and their
+    logprobs ([R, top] each, most likely first; None when ``top`` is 0)."""
+    logprobs = log_softmax(logits)
+    chosen = paddle.take_along_axis(logprobs, tokens.unsqueeze(1), axis=-1).squeeze(1)
+    if top == 0:
+        return chosen, None, None
+    values, ids = paddle.topk(logprobs, top, axis=-1)
+    return chosen, ids, values

@@ -436,7 +436,8 @@ class LlamaForCausalLM(nn.Layer):
         block_tables: paddle.Tensor,
         max_context_len: int,
         kv_cache: PagedKVCache,
-    ) -> paddle.Tensor:
+        extra_index: paddle.Tensor | None = None,
+    ) -> paddle.Tensor | tuple[paddle.Tensor, paddle.Tensor]:
         """One serving step over a flattened batch of T tokens from B block-table rows.
 
         Args (see ``FlatBatch``; ``build_flat_batch`` makes them from slot-indexed state):
@@ -455,7 +456,9 @@ class LlamaForCausalLM(nn.Layer):
         Tokens of a row starting at position 0 (a prefill) use the step's own K/V; the others
         read theirs back from the cache (so earlier steps' K/V must be there): once per row
         for a row of several tokens (a prompt chunk), once per token for a decode row. Returns
-        logits [B, vocab] of each row's last token; rows without a token get zeros.
+        logits [B, vocab] of each row's last token; rows without a token get zeros. With
+        ``extra_index`` ([N] int64 flat token indices), also the logits [N, vocab] of those
+        tokens (prompt logprobs), as a pair.
         """
         layout = PrefillLayout(positions.numpy(), token_rows.numpy())
         kept_slots = KeptSlots(slot_mapping)
@@ -539,4 +542,7 @@ class LlamaForCausalLM(nn.Layer):
         has_token = (last_token_index >= 0).unsqueeze(1)
         last_hidden = paddle.gather(hidden, paddle.clip(last_token_index, min=0))
         logits = self._logits(last_hidden)
-        return paddle.where(has_token, logits, paddle.zeros_like(logits))
+        logits = paddle.where(has_token, logits, paddle.zeros_like(logits))
+        if extra_index is None:
+            return logits
+        return logits, self._logits(paddle.gather(hidden, extra_index))

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from ..engine.naive import generate_naive
 from ..models.llama import LlamaForCausalLM
+from ..sampling_params import SamplingParams
 
 __all__ = ["greedy_reference"]
 
@@ -17,5 +18,8 @@ def greedy_reference(
     max_new_tokens: int | Sequence[int],
 ) -> list[list[int]]:
     """Each prompt's greedy continuation (no eos stop), ``max_new_tokens`` long."""
-    results, _ = generate_naive(model, prompts, max_new_tokens)
+    if isinstance(max_new_tokens, int):
+        max_new_tokens = [max_new_tokens] * len(prompts)
+    params = [SamplingParams(max_tokens=int(limit)) for limit in max_new_tokens]
+    results, _ = generate_naive(model, prompts, params)
     return [result.token_ids for result in results]
