@@ -18,7 +18,7 @@ Each timed step is split by wrapping, in this process only, the engine's phases 
   ``advance_step_op``: the op call alone;
 - ``host``: ``ModelRunner.sync_host`` (the one copy back), ``Scheduler.record`` (host
   mirrors), ``Engine._count`` (stats), ``Scheduler.retire`` + ``ModelRunner.clear_slots``;
-- ``admit``: ``Scheduler.admit`` + ``ModelRunner.write_admitted``; ``other``: the rest of
+- ``admit``: ``Scheduler.schedule`` (admission and prefill chunks) + ``ModelRunner.write_admitted``; ``other``: the rest of
   ``Engine.step``.
 
 ``bookkeeping`` = step - forward (everything but the model forward, sampling included);
@@ -155,7 +155,7 @@ class StepProbe:
     def _methods(self):
         engine = self.engine
         return (
-            ("admit", engine.scheduler, "admit"),
+            ("admit", engine.scheduler, "schedule"),
             ("admit", engine.runner, "write_admitted"),
             ("forward", engine.runner, "forward"),
             ("sampling", engine, "_uniforms"),
