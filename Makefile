@@ -1,8 +1,9 @@
 # Two entry points do everything on a fresh clone (README):
 #   make demo   - set up .venv, build the ops, run examples/generate.py
 #   make test   - set up .venv, build the ops, run the test suite
-# Others: make build, make bench, make bench-paddleformers, make bench-cpu, make install-check,
-# make cuda-check, make gpu-test, make gpu-bench, make gpu-sanitize, make clean.
+# Others: make build, make bench, make bench-paddleformers, make bench-cpu, make eval,
+# make install-check, make cuda-check, make gpu-test, make gpu-bench, make gpu-sanitize,
+# make clean.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -12,7 +13,7 @@ PY = $(VENV)/bin/python
 OP_SOURCES = setup_ops.py requirements.txt $(shell find ops python -type f \( -name '*.cc' -o -name '*.cu' -o -name '*.h' -o -name '*.py' -o -name '*.json' -o -name '*.safetensors' \) 2>/dev/null)
 CUDA_HOME ?= /usr/local/cuda
 
-.PHONY: demo test build bench bench-paddleformers bench-cpu install-check cuda-check gpu-test gpu-bench gpu-sanitize clean
+.PHONY: demo test build bench bench-paddleformers bench-cpu eval install-check cuda-check gpu-test gpu-bench gpu-sanitize clean
 
 # Reinstalls when either requirements file changes.
 $(VENV)/.installed: requirements.txt requirements-dev.txt
@@ -95,6 +96,17 @@ bench-cpu: build .venv-vllm/.installed .venv-llamacpp/.installed
 install-check:
 	CUDA_HOME=$(CUDA_HOME) bash .ci/install_check.sh .venv-install "$(PADDLE_PACKAGE)"
 
+# lm-evaluation-harness against the server on the shipped model: the tiny local tasks in
+# evals/pydoc_tiny (loglikelihood and generate_until). lm-eval and its dependencies live
+# in their own virtual environment; not part of `make test`.
+.venv-eval/.installed:
+	$(PYTHON) -m venv .venv-eval
+	.venv-eval/bin/python -m pip install --quiet "lm-eval[api]==0.4.13" "transformers>=4.40"
+	touch $@
+
+eval: build .venv-eval/.installed
+	$(PY) evals/run_lm_eval.py --lm-eval .venv-eval/bin/lm_eval
+
 # The CUDA variant: paddlepaddle-gpu 2.6.2 (a CUDA 11.8 build that runs on CPU
 # without a GPU) and this machine's nvcc; builds, imports, and runs the tests on
 # CPU against it, then the README's path without make with it (.venv-install-cuda).
@@ -125,4 +137,4 @@ gpu-sanitize:
 
 clean:
 	rm -rf build python/*.egg-info $(VENV) .venv-cuda .venv-bench .venv-vllm .venv-llamacpp \
-		.venv-install .venv-install-cuda $(BENCH_CPU_DIR)
+		.venv-install .venv-install-cuda .venv-eval $(BENCH_CPU_DIR)

@@ -257,7 +257,13 @@ def run_worker(
         return {**base, "skipped": f"worker timed out after {WORKER_TIMEOUT_S} s"}
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if returncode != 0 or not lines:
-        return {**base, "skipped": f"worker failed (exit {returncode}): {stderr[-1500:]}"}
+        status = (
+            f"ended by {signal.Signals(-returncode).name}"
+            if returncode < 0
+            else f"exit {returncode}"
+        )
+        # The status last: the printed table shows the last line.
+        return {**base, "skipped": f"{stderr[-1500:]}\nworker failed ({status})"}
     report = json.loads(lines[-1])
     for row in report["rows"]:
         row["tokens_per_s"] = row["B"] * row["new_tokens"] / row["seconds"]

@@ -18,7 +18,8 @@ Each timed step is split by wrapping, in this process only, the engine's phases 
   ``advance_step_op``: the op call alone;
 - ``host``: ``ModelRunner.sync_host`` (the one copy back), ``Scheduler.record`` (host
   mirrors), ``Engine._count`` (stats), ``Scheduler.retire`` + ``ModelRunner.clear_slots``;
-- ``admit``: ``Scheduler.schedule`` (admission and prefill chunks) + ``ModelRunner.write_admitted``; ``other``: the rest of
+- ``admit``: ``Scheduler.schedule`` (admission, prefill chunks) +
+  ``ModelRunner.write_admitted`` and ``write_prefill_chunks``; ``other``: the rest of
   ``Engine.step``.
 
 ``bookkeeping`` = step - forward (everything but the model forward, sampling included);
@@ -157,6 +158,7 @@ class StepProbe:
         return (
             ("admit", engine.scheduler, "schedule"),
             ("admit", engine.runner, "write_admitted"),
+            ("admit", engine.runner, "write_prefill_chunks"),
             ("forward", engine.runner, "forward"),
             ("sampling", engine, "_uniforms"),
             ("sampling", engine.runner, "sample"),

@@ -70,6 +70,7 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         args.model,
         "--dtype",
         args.dtype,
+        *(["--quantization", args.quantization] if args.quantization else []),
         "--max-batch",
         str(args.max_batch),
         "--block-size",

@@ -203,7 +203,11 @@ def print_report(
 ) -> None:
     mode = "naive full recompute (no KV cache)" if args.naive else "paged KV cache engine"
     threads = args.threads or default_threads(args.tp)
-    print(f"model {loaded.name}, {args.dtype}, {mode}, {threads} CPU threads.\n")
+    config = loaded.model.config
+    numerics = config.dtype
+    if config.weight_format is not None:
+        numerics = f"{config.weight_format} weights, {config.dtype} compute"
+    print(f"model {loaded.name}, {numerics}, {mode}, {threads} CPU threads.\n")
     for index, result in enumerate(results):
         prompt = loaded.tokenizer.decode(result.prompt_ids, skip_special_tokens=True)
         print(f"[{index}] prompt: {prompt!r}")

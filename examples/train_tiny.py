@@ -33,6 +33,14 @@ from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 BOS, EOS = "<s>", "</s>"
+# The chat template written to tokenizer_config.json, so /v1/chat/completions works on
+# the shipped model: each message as "Role: content" and a blank line, then "Assistant:".
+# The model never saw chats in training; this only gives chat clients a well-formed prompt.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ message['role'] | capitalize }}: {{ message['content'] }}\n\n"
+    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "python" / "paddle_step" / "assets" / "pydoc-tiny"
 DEFAULT_PROMPTS = ["The for statement", "def ", "A list is", 'The "import" statement']
@@ -426,6 +434,7 @@ def save_checkpoint(out: Path, model: LlamaForCausalLM, cfg: dict, tokenizer: To
                 "add_eos_token": False,
                 "model_max_length": cfg["max_position_embeddings"],
                 "clean_up_tokenization_spaces": False,
+                "chat_template": CHAT_TEMPLATE,
             },
             indent=2,
         )

@@ -10,7 +10,10 @@ import numpy as np
 
 from .tokenizer.byte import ByteTokenizer
 
-__all__ = ["EngineConfig", "Llama3RopeScaling", "ModelConfig"]
+__all__ = ["WEIGHT_FORMATS", "EngineConfig", "Llama3RopeScaling", "ModelConfig"]
+
+# Weight formats a float32 model can keep its weights in, packed for the CPU op.
+WEIGHT_FORMATS = ("bfloat16", "int8")
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,12 @@ class ModelConfig:
     The defaults are the random test model; ``paddle_step.model_loader.hf_config`` fills the
     rest from a Hugging Face checkpoint (``explicit_head_dim``, biases, tied embeddings, rope
     scaling, context length).
+
+    ``dtype`` is what the model computes in (activations, norms, rotary embedding, softmax,
+    logits). ``weight_format`` None keeps the weights as ``dtype`` parameters; ``"bfloat16"``
+    or ``"int8"`` (``WEIGHT_FORMATS``, with ``dtype`` float32) keeps the embedding and every
+    product's weights only packed in that format for the CPU op (``layers.cpu_linear``),
+    which widens them to float32 in registers.
     """
 
     vocab_size: int = ByteTokenizer().vocab_size
@@ -74,10 +83,22 @@ class ModelConfig:
     tie_word_embeddings: bool = False  # the lm head is the embedding matrix, transposed
     rope_scaling: Llama3RopeScaling | None = None
     max_position_embeddings: int | None = None  # context length; None: unbounded
+    weight_format: str | None = None  # None: weights in dtype; else one of WEIGHT_FORMATS
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be 'float32' or 'float64', got {self.dtype!r}")
+        if self.weight_format is not None:
+            if self.weight_format not in WEIGHT_FORMATS:
+                raise ValueError(
+                    f"weight_format must be None or one of {WEIGHT_FORMATS}, "
+                    f"got {self.weight_format!r}"
+                )
+            if self.dtype != "float32":
+                raise ValueError(
+                    f"weight_format {self.weight_format!r} computes in float32, got dtype "
+                    f"{self.dtype!r}"
+                )
         if self.explicit_head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be a multiple of num_heads "

@@ -129,3 +129,16 @@ def test_bench_prefix_quick_json():
     for run in (long_case["whole"], long_case["chunked"]):
         assert 0 < run["itl_p50_ms"] <= run["itl_p99_ms"] and run["long_prompt_ttft_ms"] > 0
     assert shared["ttft_p50_ratio"] > 0 and long_case["itl_p99_ratio"] > 0
+
+
+def test_bench_weight_formats_quick_json():
+    # Three fresh processes, one per format: a longer bound than one script's.
+    report = run_json("bench_weight_formats.py", timeout=600)
+    assert [row["format"] for row in report["results"]] == ["float32", "bfloat16", "int8"]
+    weights = {row["format"]: row["weight_mb"] for row in report["results"]}
+    # The tiny shape's packed formats keep 2 and about 1 byte per weight, float32 more.
+    assert weights["int8"] < weights["bfloat16"] < weights["float32"]
+    for row in report["results"]:
+        assert row["rss_after_load_mb"] >= row["rss_before_load_mb"] > 0
+        assert set(row["batches"]) == {"1", "2"}
+        assert all(run["tokens_per_s"] > 0 for run in row["batches"].values())

@@ -16,12 +16,14 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import paddle
 import pytest
 
 from paddle_step.config import ModelConfig
-from paddle_step.distributed.tensor_parallel import shard_config, shard_weights
+from paddle_step.distributed.tensor_parallel import TensorParallel, shard_config, shard_weights
 from paddle_step.engine.arg_utils import build_engine
 from paddle_step.entrypoints.openai.cli import parse_args as serve_parse_args
+from paddle_step.layers import cpu_linear
 from paddle_step.model_loader.loader import load_checkpoint
 from paddle_step.sampling_params import SamplingParams
 from paddle_step.testing.server_process import free_port, metric, wait_for_health
@@ -102,6 +104,53 @@ def test_tp2_greedy_equals_tp1_under_preemption(tmp_path, name):
     result = launch_generate(tmp_path, *args)
     assert result["stats"]["preemptions"] > 0 and result["stats"]["recoveries"] > 0
     assert [r["token_ids"] for r in result["requests"]] == tp1_token_ids(*args)
+
+
+@pytest.mark.parametrize("flags", [("--dtype", "bfloat16"), ("--quantization", "int8")])
+def test_tp2_packed_weights_keep_the_ranks_in_step(tmp_path, flags):
+    # Each rank packs its own shard at load; --check-ranks compares every step.
+    assert TIGHT[:2] == ("--dtype", "float64")
+    args = ("--model", str(CHECKPOINTS / "qwen2-tiny"), *TIGHT[2:], *flags)
+    result = launch_generate(tmp_path, *args)
+    assert result["stats"]["preemptions"] > 0 and result["stats"]["recoveries"] > 0
+    assert all(len(r["token_ids"]) == 16 for r in result["requests"])
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_int8_shards_keep_the_scales_of_their_columns(world_size):
+    """The column-parallel q/k/v and gate/up shards hold exactly the full model's int8
+    values (quantized per output column, so a column's scale does not depend on the
+    others); the row-parallel wo and w_down are quantized over the rank's rows."""
+    path = CHECKPOINTS / "llama-tiny"
+    full = load_checkpoint(path, quantization="int8").model
+    config = full.config
+    head_dim, intermediate = config.head_dim, config.intermediate_size
+    q_width, kv_width = config.num_heads * head_dim, config.num_kv_heads * head_dim
+    for rank in range(world_size):
+        shard = load_checkpoint(
+            path, quantization="int8", tensor_parallel=TensorParallel(rank, world_size)
+        ).model
+        local = shard.config
+        heads = np.arange(
+            rank * local.num_heads * head_dim, (rank + 1) * local.num_heads * head_dim
+        )
+        first_kv = rank * local.num_heads // (config.num_heads // config.num_kv_heads)
+        kv = np.arange(first_kv * head_dim, (first_kv + local.num_kv_heads) * head_dim)
+        mlp = np.arange(rank * local.intermediate_size, (rank + 1) * local.intermediate_size)
+        for layer_full, layer_shard in zip(full.layers, shard.layers):
+            w_qkv, _, _, w_gate_up, _ = layer_full._dense_weights()
+            s_qkv, _, _, s_gate_up, _ = layer_shard._dense_weights()
+            qkv_columns = np.concatenate([heads, q_width + kv, q_width + kv_width + kv])
+            gate_up_columns = np.concatenate([mlp, intermediate + mlp])
+            for whole, part, columns in (
+                (w_qkv, s_qkv, qkv_columns),
+                (w_gate_up, s_gate_up, gate_up_columns),
+            ):
+                every = paddle.arange(part.packed.n, dtype="int64")
+                np.testing.assert_array_equal(
+                    cpu_linear.columns(part.packed, every).numpy(),
+                    cpu_linear.columns(whole.packed, paddle.to_tensor(columns)).numpy(),
+                )
 
 
 def test_tp2_sampling_equals_tp1(tmp_path):

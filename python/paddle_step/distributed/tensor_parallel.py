@@ -17,6 +17,10 @@ Sharding (rank r of N; matrices are [in, out]):
 - ``wo`` is row-parallel (the rows of the rank's query heads), ``w_gate``/``w_up``
   column-parallel and ``w_down`` row-parallel over the intermediate size; the products of
   ``wo`` and ``w_down`` are summed with ``all_reduce``, ``o_bias`` added once after it.
+- Weights kept in bfloat16 or int8 (``ModelConfig.weight_format``) are sharded as floats and
+  then packed by each rank: int8 scales are per output column, so a column-parallel shard
+  gets exactly the full weight's scales; a row-parallel one (``wo``, ``w_down``) gets, per
+  column, the largest magnitude over its own rows.
 - The embedding, norms and LM head are replicated: a vocab-parallel head would need a
   second collective per step (an all_gather of the logits, or a distributed argmax and
   sampler) to give every rank the same logits, and replicating costs only memory.
@@ -162,12 +166,23 @@ def shard_weights(
     return shards
 
 
-def shard_model(model: LlamaForCausalLM, group: TensorParallel) -> LlamaForCausalLM:
-    """``group.rank``'s shard of ``model``, reducing over ``group``."""
-    full = {name: param.numpy() for name, param in model.named_parameters()}
+def shard_model(
+    model: LlamaForCausalLM, group: TensorParallel, weight_format: str | None = None
+) -> LlamaForCausalLM:
+    """``group.rank``'s shard of ``model`` (weights in its dtype), reducing over ``group``,
+    its weights kept in ``weight_format`` (``ModelConfig.weight_format``). A model whose
+    weights are packed only is sharded at load instead (``load_checkpoint``'s
+    ``tensor_parallel``)."""
     config = model.config
+    if config.weight_format is not None:
+        raise ValueError(
+            f"shard_model: argument 'model': expected weights in {config.dtype}, got a model "
+            f"packed in {config.weight_format} (shard at load: load_checkpoint(..., "
+            "tensor_parallel=group))"
+        )
+    full = {name: param.numpy() for name, param in model.named_parameters()}
     return LlamaForCausalLM(
-        shard_config(config, group.world_size),
+        replace(shard_config(config, group.world_size), weight_format=weight_format),
         shard_weights(full, config, group.rank, group.world_size),
         all_reduce=group.all_reduce,
     )

@@ -15,7 +15,7 @@ import argparse
 import logging
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..config import EngineConfig
@@ -59,7 +59,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="a Hugging Face checkpoint directory (Llama, Mistral, Qwen2), or 'random' for "
         "a random-weight LlamaForCausalLM with a byte tokenizer (default: the shipped model)",
     )
-    group.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    group.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float64"),
+        default="auto",
+        help="weights: 'auto' keeps the checkpoint's (bfloat16 for a bfloat16 checkpoint, "
+        "else float32); bfloat16 weights compute in float32 on the CPU op (default: auto)",
+    )
+    group.add_argument(
+        "--quantization",
+        choices=("int8",),
+        default=None,
+        help="int8: weight-only int8 quantized at load, one scale per output channel, "
+        "computing in float32 on the CPU op (default: none)",
+    )
     group.add_argument("--max-batch", type=int, default=4, help="batch slots")
     group.add_argument("--block-size", type=int, default=8, help="tokens per KV block")
     group.add_argument(
@@ -135,6 +148,10 @@ def check_engine_arguments(parser: argparse.ArgumentParser, args: argparse.Names
     """``parser.error`` for flag values no engine can take."""
     if not 0 < args.decoder_pool_ratio < 1:
         parser.error(f"--decoder-pool-ratio: expected in (0, 1), got {args.decoder_pool_ratio}")
+    if args.quantization is not None and args.dtype == "float64":
+        parser.error(
+            f"--quantization {args.quantization}: computes in float32, got --dtype float64"
+        )
     if args.check_ranks and args.tp == 1:
         parser.error("--check-ranks: expected --tp > 1, got --tp 1")
     for name in ("max_batch", "block_size", "max_model_len", "kv_blocks", "tp", "threads"):
@@ -150,9 +167,10 @@ def check_engine_arguments(parser: argparse.ArgumentParser, args: argparse.Names
 
 
 def load_model(args: argparse.Namespace) -> LoadedModel:
-    """The model ``--model`` names, in ``--dtype``; with ``--tp`` > 1, joins the process
-    group and keeps this rank's shard. Raises ``CheckpointError`` (a ``ValueError``) for a
-    checkpoint it cannot load, ``ValueError`` for a ``--tp`` that does not fit."""
+    """The model ``--model`` names, in ``--dtype`` and ``--quantization``; with ``--tp`` > 1,
+    joins the process group and keeps this rank's shard. Raises ``CheckpointError`` (a
+    ``ValueError``) for a checkpoint it cannot load, ``ValueError`` for a ``--tp`` that does
+    not fit or a weight format this machine cannot run."""
     from ..distributed.tensor_parallel import init_tensor_parallel, shard_model
 
     if args.explain_dense:
@@ -164,17 +182,23 @@ def load_model(args: argparse.Namespace) -> LoadedModel:
         from ..tokenizer.byte import ByteTokenizer
 
         tokenizer = ByteTokenizer()
-        model = LlamaForCausalLM(ModelConfig(dtype=args.dtype, seed=args.seed))
+        weight_format = args.quantization or ("bfloat16" if args.dtype == "bfloat16" else None)
+        dtype = "float64" if args.dtype == "float64" else "float32"
+        config = ModelConfig(dtype=dtype, seed=args.seed)
+        if group is not None:  # drawn whole in float, then sharded and packed
+            model = shard_model(LlamaForCausalLM(config), group, weight_format)
+        else:
+            model = LlamaForCausalLM(replace(config, weight_format=weight_format))
         eos_token_ids, context_len, name = [tokenizer.eos_id], RANDOM_MODEL_CONTEXT, "random"
     else:
         from ..model_loader.loader import load_checkpoint
 
-        checkpoint = load_checkpoint(args.model, dtype=args.dtype)
+        checkpoint = load_checkpoint(
+            args.model, args.dtype, args.quantization, tensor_parallel=group
+        )
         model, tokenizer = checkpoint.model, checkpoint.tokenizer
         eos_token_ids, context_len = list(checkpoint.eos_token_ids), checkpoint.max_model_len
         name = checkpoint.name
-    if group is not None:
-        model = shard_model(model, group)
     return LoadedModel(model, tokenizer, eos_token_ids, context_len, name, group)
 
 

@@ -35,7 +35,12 @@ from .core_messages import (
 )
 from .core_proc import run_engine
 
-__all__ = ["EngineLoop", "EngineUnavailable", "RequestError", "RequestHandle"]
+__all__ = [
+    "EngineLoop",
+    "EngineUnavailable",
+    "RequestError",
+    "RequestHandle",
+]
 
 logger = logging.getLogger("paddle_step.serve")
 
@@ -60,16 +65,24 @@ class RequestError:
 class RequestHandle:
     """A submitted request as its HTTP handler sees it.
 
-    Events arrive on ``events`` (the objects are ``engine.outputs``'): ``("cached", n)``
-    once admitted (n prompt tokens came from the prefix cache); ``("prompt_logprobs",
-    list[TokenLogprobs])`` once its prompt is prefilled, when it asked for them;
-    ``("token", StepToken)`` per generated token (of any of its samples); then one of
-    ``("finish", GenerationResult)`` or ``("error", RequestError)``.
+    Events arrive on ``events`` as ``(index, kind, value)``, ``index`` being the handle's
+    own (a handler may share one queue among the handles of a batch):
+
+    - ``("cached", n)`` once admitted: n prompt tokens came from the prefix cache;
+    - ``("prompt_logprobs", entries)``, when the request asked for them: per prompt
+      position after the first, ``(logprob, [(id, logprob), ..])``, the prompt token's
+      logprob and the asked number of most likely tokens;
+    - ``("token", (sample, token_id, logprobs))`` per generated token of sample ``sample``
+      (0 .. best_of-1), ``logprobs`` in the form above or None when not asked;
+    - then one ``("finish", returned)``: the samples to answer with, in choice order, as
+      ``(sample, finish_reason)`` (the ``n`` best of ``best_of``); or one ``("error",
+      RequestError)``.
     """
 
     prompt_ids: list[int]
     params: SamplingParams
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    index: int = 0  # the handler's tag (e.g. the prompt's place in a batch)
     key: int | None = None  # the request's id between this process and the engine's
     done: bool = False  # set by the handler once it has read the last event
 
@@ -223,7 +236,7 @@ class EngineLoop:
         events = [(key, ("cached", cached)) for key, cached in output.cached]
         events += [(key, ("prompt_logprobs", entries)) for key, entries in output.prompt_logprobs]
         events += [(key, ("token", token)) for key, token in output.tokens]
-        events += [(key, ("finish", reason)) for key, reason in output.finished]
+        events += [(key, ("finish", returned)) for key, returned in output.finished]
         events += [(key, ("error", RequestError(why, unavailable=False)))
                    for key, why in output.refused]  # fmt: skip
         self.stats = output.stats
@@ -250,7 +263,7 @@ class EngineLoop:
             entry = self._handles.get(key)
             if entry is not None:
                 handle, event_loop = entry
-                by_loop.setdefault(event_loop, []).append((handle.events, event))
+                by_loop.setdefault(event_loop, []).append((handle.events, (handle.index, *event)))
         for event_loop, deliveries in by_loop.items():
             try:
                 event_loop.call_soon_threadsafe(_put_all, deliveries)

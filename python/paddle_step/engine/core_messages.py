@@ -1,6 +1,5 @@
 """The messages between the server's client (``core_client``) and its engine process
 (``core_proc``), pickled over two one-way pipes. No paddle: the HTTP process imports them.
-A request's ``SamplingParams`` crosses whole, so its ``constraint`` must pickle.
 
 Server to engine: ``AddRequest``, ``AbortRequest``, ``Stop``. Engine to server: ``Ready``
 once, then ``StepOutput`` after each step that produced anything, and ``EngineFailed``
@@ -12,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..sampling_params import SamplingParams
-from .outputs import GenerationResult, StepToken, TokenLogprobs
 
 __all__ = [
     "AbortRequest",
@@ -56,19 +54,25 @@ class Ready:
     stats: dict
 
 
+# Logprobs as the server reads them: (the token's logprob, [(token id, logprob), ..] of
+# the asked number of most likely tokens, most likely first).
+Logprobs = tuple[float, list[tuple[int, float]]]
+
+
 @dataclass
 class StepOutput:
-    """One step's results, in one message: ``cached`` are ``(key, prompt tokens from the
-    prefix cache)`` of the requests it admitted, ``prompt_logprobs`` ``(key, logprobs of
-    prompt positions 1 .. P-1)`` of requests whose prompt it completed that asked for
-    them, ``tokens`` ``(key, StepToken)`` in the order generated, ``finished`` ``(key,
-    GenerationResult)``, ``refused`` ``(key, message)`` for requests the engine would not
-    add (a ``ValueError`` of its own). The objects are ``engine.outputs``'."""
+    """One step's results, in one message. ``cached``: ``(key, prompt tokens from the
+    prefix cache)`` of the requests it admitted; ``tokens``: ``(key, (sample, token id,
+    logprobs or None))`` in the order generated; ``prompt_logprobs``: ``(key, [logprobs
+    per prompt position after the first])`` of requests whose prompt it completed that
+    asked; ``finished``: ``(key, [(sample, finish reason), ..])``, the samples to answer
+    with in choice order (the ``n`` best of ``best_of``); ``refused``: ``(key, message)``
+    for requests the engine would not add (a ``ValueError`` of its own)."""
 
     cached: list[tuple[int, int]] = field(default_factory=list)
-    prompt_logprobs: list[tuple[int, list[TokenLogprobs]]] = field(default_factory=list)
-    tokens: list[tuple[int, StepToken]] = field(default_factory=list)
-    finished: list[tuple[int, GenerationResult]] = field(default_factory=list)
+    tokens: list[tuple[int, tuple[int, int, Logprobs | None]]] = field(default_factory=list)
+    prompt_logprobs: list[tuple[int, list[Logprobs]]] = field(default_factory=list)
+    finished: list[tuple[int, list[tuple[int, str]]]] = field(default_factory=list)
     refused: list[tuple[int, str]] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
 

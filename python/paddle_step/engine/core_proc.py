@@ -58,12 +58,14 @@ def run_engine(args: argparse.Namespace, commands, events) -> None:
     info = {"name": loaded.name, "max_model_len": config.max_model_len,
             "max_batch": config.max_batch,
             "vocab_size": loaded.model.config.vocab_size,
+            "eos_token_ids": list(engine.eos_token_ids),
             "kv_total_blocks": config.num_decoder_blocks,
             "kv_encoder_total_blocks": config.num_encoder_blocks,
             "threads": engine.threads}  # fmt: skip
     events.send(Ready(info, _stats(engine)))
     request_ids: dict[int, int] = {}  # server key -> engine request id
     keys: dict[int, int] = {}  # engine request id -> server key
+    draws: dict[int, dict[int, list[int]]] = {}  # best_of > n: request -> draw -> tokens
     while True:
         output = StepOutput()
         batch = _next_commands(engine, commands) if leader else []
@@ -79,8 +81,13 @@ def run_engine(args: argparse.Namespace, commands, events) -> None:
                     output.refused.append((command.key, str(error)))
                     continue
                 request_ids[command.key], keys[request_id] = request_id, command.key
+                params = command.params
+                if params.best_of is not None and params.best_of > params.n:
+                    draws[request_id] = {draw: [] for draw in range(params.best_of)}
             elif isinstance(command, AbortRequest) and command.key in request_ids:
-                engine.abort(request_ids.pop(command.key))
+                request_id = request_ids.pop(command.key)
+                draws.pop(request_id, None)
+                engine.abort(request_id)
         if engine.has_unfinished():
             try:
                 finished = engine.step()  # its time goes into engine.stats.elapsed
@@ -92,23 +99,52 @@ def run_engine(args: argparse.Namespace, commands, events) -> None:
                     )
                 )
                 sys.exit(1)
-            output.prompt_logprobs = [(keys[request_id], entries) for request_id, entries
+            output.prompt_logprobs = [(keys[request_id], [_logprobs(entry) for entry in entries])
+                                      for request_id, entries
                                       in engine.last_step_prompt_logprobs.items()
                                       if request_id in keys]  # fmt: skip
-            output.tokens = [(keys[token.request_id], token)
+            output.tokens = [(keys[token.request_id],
+                              (token.index, token.token_id, _logprobs(token.logprobs)))
                              for token in engine.last_step_outputs
                              if token.request_id in keys]  # fmt: skip
+            for token in engine.last_step_outputs:
+                if token.request_id in draws:
+                    draws[token.request_id][token.index].append(token.token_id)
             output.cached = [(keys[request_id], cached)
                              for request_id, cached in engine.last_step_admitted
                              if request_id in keys]  # fmt: skip
             for result in finished:
                 key = keys.pop(result.request_id)
                 request_ids.pop(key, None)
-                output.finished.append((key, result))
+                drawn = draws.pop(result.request_id, None)
+                output.finished.append((key, _returned(result, drawn)))
         if leader and (output.tokens or output.finished or output.refused or batch
                        or engine.has_unfinished()):  # fmt: skip
             output.stats = _stats(engine)
             events.send(output)
+
+
+def _returned(result, drawn: dict[int, list[int]] | None) -> list[tuple[int, str]]:
+    """``(draw, finish reason)`` of each sample ``result`` returns, in its order. With
+    ``best_of`` > ``n`` the engine numbers the returned samples 0 .. n-1; ``drawn`` (each
+    draw's tokens, as streamed) gives back the draw each one is, which is how the server
+    knows its tokens (draws with the same tokens are interchangeable)."""
+    if drawn is None:
+        return [(sample.index, sample.finish_reason) for sample in result.outputs]
+    returned = []
+    for sample in result.outputs:
+        draw = next(d for d, tokens in drawn.items() if tokens == sample.token_ids)
+        drawn.pop(draw)
+        returned.append((draw, sample.finish_reason))
+    return returned
+
+
+def _logprobs(entry) -> tuple[float, list[tuple[int, float]]] | None:
+    """An ``outputs.TokenLogprobs`` as the plain tuple the server reads (the server needs
+    none of the engine's classes)."""
+    if entry is None:
+        return None
+    return float(entry.logprob), [(int(token), float(value)) for token, value in entry.top]
 
 
 def _next_commands(engine, commands) -> list:

@@ -19,6 +19,7 @@ import paddle
 import paddle_step_ops as _library
 
 FORMATS = ("float32", "bfloat16", "int8")
+_PANEL_WIDTH = 32  # columns per panel (kPanelWidth)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,29 @@ def linear(
 ) -> paddle.Tensor:
     """``x`` float32 [M, K] @ ``packed`` (+ ``bias`` float32 [N]): a new float32 [M, N]."""
     return _library.cpu_linear(x, packed.weights, packed.scales, bias, packed.n, packed.group_size)
+
+
+def columns(packed: PackedWeights, ids: paddle.Tensor) -> paddle.Tensor:
+    """Columns ``ids`` (int64 [T]) of the packed ``W`` [K, N] as float32 rows [T, K]: the
+    values the products multiply by (bfloat16 widened, int8 times its scale). An embedding
+    lookup reads the tied LM head ``W = embedding.T`` this way, so one packed copy serves
+    both. Gathers straight from the panels (ops/include/cpu_linear_kernel.h's layout)."""
+    k = packed.k
+    panel, column = ids // _PANEL_WIDTH, (ids % _PANEL_WIDTH).unsqueeze(1)
+    rows = paddle.arange(k, dtype="int64")
+    flat = packed.weights.flatten()
+    if packed.format == "bfloat16":  # [panels][ceil(K/2)][32][2]
+        start = panel.unsqueeze(1) * (flat.shape[0] // packed.weights.shape[0])
+        index = start + (rows // 2 * 2 * _PANEL_WIDTH + rows % 2) + 2 * column
+    else:  # [panels][K][32]
+        index = (panel * k).unsqueeze(1) * _PANEL_WIDTH + rows * _PANEL_WIDTH + column
+    values = paddle.gather(flat, index.flatten()).astype("float32").reshape([-1, k])
+    if packed.format != "int8":
+        return values
+    groups = packed.scales.shape[1]  # [panels][ceil(K/G)][32]
+    scale_index = (panel * groups).unsqueeze(1) * _PANEL_WIDTH + column
+    scale_index = scale_index + rows // packed.group_size * _PANEL_WIDTH
+    return values * paddle.gather(packed.scales.flatten(), scale_index.flatten()).reshape([-1, k])
 
 
 def set_num_threads(threads: int) -> None:

@@ -15,7 +15,8 @@ each block times every way it can run the first time a row count class
 (``padded_rows``) appears, and keeps the fastest for that class (``DenseBlock``).
 ``PADDLE_STEP_DENSE`` forces one way where it can run (``eager``, ``op``, ``compiled``;
 default ``auto``); ``PADDLE_STEP_ONEDNN=0`` leaves ``compiled`` out. float64, Paddle before
-3.0 and devices other than the CPU run eagerly.
+3.0 and devices other than the CPU run eagerly. A model whose weights are kept in bfloat16
+or int8 (``ModelConfig.weight_format``) has them only packed, and runs the op alone.
 
 The same Python function makes all three, so they compute the same expression and differ
 only in float rounding (summation order).
@@ -199,6 +200,22 @@ def op_available(dtype: str) -> bool:
     return _on_cpu_in_float32(dtype)
 
 
+def check_packed_weights_run(weight_format: str) -> None:
+    """Raises ``ValueError`` naming ``weight_format`` and what is missing when the CPU op
+    cannot run it fast here (a model with packed-only weights has no other way to run)."""
+    device = paddle.get_device()
+    if device != "cpu":
+        raise ValueError(
+            f"weights in {weight_format}: the CPU op that runs them has no kernel for device "
+            f"{device!r} (load in float32 there)"
+        )
+    if cpu_linear.best_isa() == "scalar":
+        raise ValueError(
+            f"weights in {weight_format}: the CPU op needs AVX2 and FMA (or AVX-512), which "
+            "this CPU lacks (load in float32 instead)"
+        )
+
+
 def forced_method() -> str | None:
     """The way ``PADDLE_STEP_DENSE`` forces, or None for ``auto`` (measure)."""
     value = os.environ.get(ENV_METHOD, "auto")
@@ -219,12 +236,17 @@ def _onednn_kernels() -> Iterator[None]:
         paddle.set_flags({"FLAGS_use_mkldnn": previous})
 
 
+# int8 weights: one scale per output column (None) or per group of this many rows of K.
+INT8_GROUP_SIZE: int | None = None
+
+
 class DenseWeight(NamedTuple):
     """One product's weight in the forms the ways read: ``tensor`` for ``paddle.matmul``
-    ([K, N]; the tied LM head's [vocab, hidden] embedding, read transposed), ``packed`` for
-    the CPU op (None where it does not run)."""
+    ([K, N]; the tied LM head's [vocab, hidden] embedding, read transposed; None for a
+    model whose weights are packed only), ``packed`` for the CPU op (None where it does not
+    run)."""
 
-    tensor: paddle.Tensor
+    tensor: paddle.Tensor | None
     packed: cpu_linear.PackedWeights | None
 
     @classmethod
@@ -233,6 +255,14 @@ class DenseWeight(NamedTuple):
         if not with_op:
             return cls(tensor, None)
         return cls(tensor, cpu_linear.pack_float32(tensor.T.contiguous() if transposed else tensor))
+
+    @classmethod
+    def packed_only(cls, w, weight_format: str) -> DenseWeight:
+        """``w`` float32 [K, N] (an array) packed in ``weight_format`` ('bfloat16': rounded
+        to nearest even, exact for a bfloat16 checkpoint; 'int8': quantized,
+        ``INT8_GROUP_SIZE``), with no other copy kept."""
+        group = INT8_GROUP_SIZE if weight_format == "int8" else None
+        return cls(None, cpu_linear.pack(w, weight_format, group))
 
 
 class DenseBlock:
@@ -263,7 +293,9 @@ class DenseBlock:
         self.per_row = [spec.shape[0] == -1 for spec in input_spec]  # None reads as -1
         self.agree = agree
         matmul = functools.partial(paddle.matmul, transpose_y=True) if tied else paddle.matmul
-        self._functions = {"eager": make(False, matmul)}
+        self._functions = {}
+        if "eager" in methods:
+            self._functions["eager"] = make(False, matmul)
         if "op" in methods:
             self._functions["op"] = make(False, cpu_linear.linear)
         if "compiled" in methods:
@@ -305,7 +337,7 @@ class DenseBlock:
 
     def __call__(self, *args):
         if len(self._functions) == 1:
-            return self.run("eager", *args)
+            return self.run(next(iter(self._functions)), *args)
         if self.forced is not None:
             return self.run(self.forced, *args)
         rows_class = padded_rows(args[0].shape[0])
@@ -363,6 +395,8 @@ def model_blocks(config: ModelConfig, all_reduce: AllReduceFn | None = None) -> 
         methods.append("op")
     if onednn_available(config.dtype):
         methods.append("compiled")
+    if config.weight_format is not None:  # the weights exist only packed for the op
+        methods = ["op"]
     hidden, head_dim, eps = config.hidden_size, config.head_dim, config.rms_eps
     q_width = config.num_heads * head_dim
     qkv_width = q_width + 2 * config.num_kv_heads * head_dim

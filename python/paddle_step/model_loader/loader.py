@@ -3,27 +3,32 @@
 
 Reads ``config.json`` (see ``hf_config`` for what is supported), the weights from
 ``model.safetensors`` or the shards ``model.safetensors.index.json`` lists (bf16, fp16, fp32
-or fp64 on disk, cast to the requested dtype), ``tokenizer.json`` (+ ``tokenizer_config.json``)
-and the stop ids from ``generation_config.json`` (else ``config.json``). Anything it cannot
-load raises ``CheckpointError``.
+or fp64 on disk, cast to the requested dtype or packed in the requested format),
+``tokenizer.json`` (+ ``tokenizer_config.json``) and the stop ids from
+``generation_config.json`` (else ``config.json``). Anything it cannot load raises
+``CheckpointError``.
 
-    loaded = load_checkpoint("path/to/Llama-3.2-1B", dtype="float32")
+    loaded = load_checkpoint("path/to/Llama-3.2-1B")  # bfloat16 weights, as stored
+    loaded = load_checkpoint("path/to/Llama-3.2-1B", quantization="int8")
     ids = loaded.tokenizer.encode("Hello")
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ctypes
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..distributed.tensor_parallel import TensorParallel, shard_config, shard_weights
 from ..errors import CheckpointError
+from ..layers.dense_blocks import check_packed_weights_run
 from ..models.llama import LlamaForCausalLM
 from ..tokenizer.hf import HFTokenizer
 from .hf_config import model_config_from_hf, read_json
-from .weights import load_weights
+from .weights import load_weights, stored_dtypes
 
-__all__ = ["LoadedCheckpoint", "load_checkpoint"]
+__all__ = ["DTYPES", "QUANTIZATIONS", "LoadedCheckpoint", "load_checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -60,16 +65,80 @@ def _eos_token_ids(path: Path, config: dict[str, Any]) -> list[int]:
     return list(ids)
 
 
-def load_checkpoint(path: str | Path, dtype: str = "float32") -> LoadedCheckpoint:
-    """Load the checkpoint directory ``path`` with the weights cast to ``dtype``
-    ('float32' or 'float64'). Raises ``CheckpointError`` naming what it cannot load."""
+DTYPES = ("auto", "float32", "bfloat16", "float64")
+QUANTIZATIONS = (None, "int8")
+
+
+def _weight_format(path: Path, dtype: str, quantization: str | None) -> tuple[str, str | None]:
+    """``(dtype the model computes in, weight_format)`` for ``load_checkpoint``'s
+    arguments."""
+    if dtype not in DTYPES:
+        raise CheckpointError(
+            f"load_checkpoint: argument 'dtype': expected one of {DTYPES}, got {dtype!r}"
+        )
+    if quantization not in QUANTIZATIONS:
+        raise CheckpointError(
+            f"load_checkpoint: argument 'quantization': expected one of {QUANTIZATIONS}, "
+            f"got {quantization!r}"
+        )
+    if dtype == "auto":
+        # The checkpoint's own dtype, as vLLM's --dtype auto; the op has no float16 format
+        # and float32 holds float16 exactly.
+        dtype = "bfloat16" if stored_dtypes(path) == {"BF16"} else "float32"
+    if quantization == "int8":
+        if dtype == "float64":
+            raise CheckpointError(
+                "load_checkpoint: argument 'quantization': int8 weights compute in float32, "
+                "expected dtype 'auto', 'float32' or 'bfloat16', got 'float64'"
+            )
+        return "float32", "int8"
+    if dtype == "bfloat16":
+        return "float32", "bfloat16"
+    return dtype, None
+
+
+def _return_freed_memory() -> None:
+    """Hands the heap pages freed during the load back to the OS. glibc keeps them: the
+    checkpoint's arrays and their float32 copies, each under its mmap threshold once that
+    has grown, leave holes in the heap (measured on a 0.5B bfloat16 model: 2.6 GB resident
+    after the load, 1.2 GB after this, for 0.94 GB of weights)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to do
+        return
+    libc.malloc_trim(0)
+
+
+def load_checkpoint(
+    path: str | Path,
+    dtype: str = "auto",
+    quantization: str | None = None,
+    *,
+    tensor_parallel: TensorParallel | None = None,
+) -> LoadedCheckpoint:
+    """Load the checkpoint directory ``path``. Raises ``CheckpointError`` naming what it
+    cannot load.
+
+    ``dtype``: 'float32' or 'float64' (weights and computation in it), 'bfloat16' (weights
+    kept in bfloat16, computation in float32) or 'auto' (the checkpoint's own: bfloat16 for
+    a bfloat16 checkpoint, else float32). ``quantization`` 'int8': weight-only int8,
+    quantized here from the checkpoint's values. bfloat16 and int8 weights run on the CPU
+    op only (``layers.cpu_linear``): elsewhere, or on a CPU without AVX2, this raises.
+    ``tensor_parallel``: keep only that rank's shard (``distributed.tensor_parallel``).
+    """
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(
             f"load_checkpoint: argument 'path': expected a directory, got {str(path)!r}"
         )
+    compute_dtype, weight_format = _weight_format(path, dtype, quantization)
+    if weight_format is not None:
+        try:  # before reading any weights
+            check_packed_weights_run(weight_format)
+        except ValueError as error:
+            raise CheckpointError(f"{path}: {error}") from None
     hf_config = read_json(path / "config.json")
-    config = model_config_from_hf(hf_config, dtype)
+    config = replace(model_config_from_hf(hf_config, compute_dtype), weight_format=weight_format)
     tokenizer = HFTokenizer.from_dir(path)
     if tokenizer.vocab_size > config.vocab_size:
         raise CheckpointError(
@@ -82,10 +151,18 @@ def load_checkpoint(path: str | Path, dtype: str = "float32") -> LoadedCheckpoin
         raise CheckpointError(
             f"{path}: eos_token_id {outside}: expected ids below vocab_size ({config.vocab_size})"
         )
+    weights = load_weights(path, config)
+    all_reduce = None
+    if tensor_parallel is not None:
+        world_size = tensor_parallel.world_size
+        weights = shard_weights(weights, config, tensor_parallel.rank, world_size)
+        config, all_reduce = shard_config(config, world_size), tensor_parallel.all_reduce
     try:
-        model = LlamaForCausalLM(config, weights=load_weights(path, config))
-    except ValueError as error:  # a tensor of the wrong shape
+        model = LlamaForCausalLM(config, weights=weights, all_reduce=all_reduce)
+    except ValueError as error:  # a tensor of the wrong shape, a format this CPU cannot run
         raise CheckpointError(f"{path}: {error}") from None
+    del weights
+    _return_freed_memory()
     return LoadedCheckpoint(
         model=model,
         tokenizer=tokenizer,

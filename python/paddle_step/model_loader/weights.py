@@ -3,6 +3,7 @@ package, renamed from Hugging Face's parameter names to the model's and cast."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ from ..config import ModelConfig
 from ..errors import CheckpointError
 from .hf_config import read_json
 
-__all__ = ["load_weights", "read_safetensors"]
+__all__ = ["load_weights", "read_safetensors", "stored_dtypes"]
 
 # On-disk dtypes (safetensors' names) and how to read them; BF16 separately (no numpy type).
 _NUMPY_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64}
@@ -21,6 +22,21 @@ _NUMPY_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64}
 def _bf16_to_float32(raw: bytes | bytearray) -> np.ndarray:
     # bfloat16 is the upper half of a float32: widen by shifting into the high 16 bits.
     return (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+
+
+def stored_dtypes(path: Path) -> set[str]:
+    """The dtypes (safetensors' names: BF16, F16, F32, ...) the checkpoint directory ``path``
+    stores its tensors in, read from the files' headers alone."""
+    found = set()
+    for file in _weight_files(path):
+        with file.open("rb") as stream:
+            try:
+                size = int.from_bytes(stream.read(8), "little")
+                header = json.loads(stream.read(size))
+            except (ValueError, UnicodeDecodeError) as error:
+                raise CheckpointError(f"{file}: not a readable safetensors file: {error}") from None
+        found.update(entry["dtype"] for name, entry in header.items() if name != "__metadata__")
+    return found
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
@@ -121,7 +137,9 @@ def load_weights(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
     weights: dict[str, np.ndarray] = {}
     unexpected = []
     for file in _weight_files(path):
-        for hf_name, array in read_safetensors(file).items():
+        arrays = read_safetensors(file)
+        for hf_name in list(arrays):  # each dropped once cast: one model's worth at a time
+            array = arrays.pop(hf_name)
             if hf_name not in names:
                 if not _is_ignored(hf_name, config):
                     unexpected.append(hf_name)

@@ -26,7 +26,14 @@ import paddle
 from paddle import nn
 
 from ..config import ModelConfig
-from ..layers.dense_blocks import AllReduceFn, DenseWeight, ModelBlocks, model_blocks
+from ..layers import cpu_linear
+from ..layers.dense_blocks import (
+    AllReduceFn,
+    DenseWeight,
+    ModelBlocks,
+    check_packed_weights_run,
+    model_blocks,
+)
 from ..layers.paged_attention import (
     KeptSlots,
     PagedKVCache,
@@ -48,17 +55,24 @@ Draw = Callable[[np.random.Generator], np.ndarray]
 ParameterValues = Callable[[str, list[int], Draw], np.ndarray]
 
 
+def _parameter(layer: nn.Layer, array: np.ndarray, dtype: str) -> paddle.Tensor:
+    """A parameter of ``layer`` holding ``array`` cast to ``dtype``. Copied in with
+    ``set_value``: Paddle's ``Assign`` initializer goes through a Python list of the values,
+    about 40 bytes per weight at its peak (15 GB for a 0.5B model)."""
+    param = layer.create_parameter(
+        list(array.shape), dtype=dtype, default_initializer=nn.initializer.Constant(0.0)
+    )
+    param.set_value(np.ascontiguousarray(array, dtype=dtype))
+    return param
+
+
 class RMSNorm(nn.Layer):
     """The learned scale of an RMSNorm, which ``dense_blocks.rms_norm`` applies inside the
     blocks; a layer of its own so that the parameter is named ``<norm>.weight``."""
 
     def __init__(self, weight: np.ndarray, dtype: str) -> None:
         super().__init__()
-        self.weight = self.create_parameter(
-            list(weight.shape),
-            dtype=dtype,
-            default_initializer=nn.initializer.Assign(weight.astype(dtype)),
-        )
+        self.weight = _parameter(self, weight, dtype)
 
 
 def _present(*tensors: paddle.Tensor | None) -> list[paddle.Tensor]:
@@ -107,11 +121,7 @@ class DecoderLayer(nn.Layer):
 
         def parameter(name: str, shape: list[int], draw: Draw) -> paddle.Tensor:
             array = values(f"{prefix}.{name}", shape, draw)
-            return self.create_parameter(
-                shape,
-                dtype=config.dtype,
-                default_initializer=nn.initializer.Assign(array.astype(config.dtype)),
-            )
+            return _parameter(self, array, config.dtype)
 
         def linear(name: str, fan_in: int, fan_out: int) -> paddle.Tensor:
             return parameter(name, [fan_in, fan_out], _scaled_normal(fan_in, fan_out))
@@ -122,6 +132,13 @@ class DecoderLayer(nn.Layer):
         def norm(name: str) -> RMSNorm:
             weight = values(f"{prefix}.{name}.weight", [hidden], _ones(hidden))
             return RMSNorm(weight, config.dtype)
+
+        if config.weight_format is not None:
+            # No parameters: each product's weights packed once, as the blocks take them.
+            def linear(name: str, fan_in: int, fan_out: int) -> np.ndarray:
+                return values(
+                    f"{prefix}.{name}", [fan_in, fan_out], _scaled_normal(fan_in, fan_out)
+                )
 
         self.attn_norm = norm("attn_norm")
         self.wq = linear("wq", hidden, q_width)
@@ -137,6 +154,27 @@ class DecoderLayer(nn.Layer):
         self.w_up = linear("w_up", hidden, config.intermediate_size)
         self.w_down = linear("w_down", config.intermediate_size, hidden)
         self._dense = None
+        if config.weight_format is not None:
+            self._dense = self._packed_weights(config.weight_format)
+
+    def _packed_weights(self, weight_format: str) -> tuple:
+        """``_dense_weights`` of a model whose weights exist only in ``weight_format``,
+        packed from the arrays, which are dropped."""
+
+        def packed(*arrays: np.ndarray) -> DenseWeight:
+            joined = np.concatenate(arrays, axis=1) if len(arrays) > 1 else arrays[0]
+            return DenseWeight.packed_only(joined.astype(np.float32, copy=False), weight_format)
+
+        biases = (self.q_bias, self.k_bias, self.v_bias)
+        dense = (
+            packed(self.wq, self.wk, self.wv),
+            None if self.q_bias is None else paddle.concat(biases),
+            packed(self.wo),
+            packed(self.w_gate, self.w_up),
+            packed(self.w_down),
+        )
+        self.wq = self.wk = self.wv = self.wo = self.w_gate = self.w_up = self.w_down = None
+        return dense
 
     def _dense_weights(self) -> tuple[DenseWeight, paddle.Tensor | None, DenseWeight, DenseWeight,
                                       DenseWeight]:  # fmt: skip
@@ -222,39 +260,57 @@ class LlamaForCausalLM(nn.Layer):
                 return array
 
         hidden, vocab = config.hidden_size, config.vocab_size
+        if config.weight_format is not None:
+            check_packed_weights_run(config.weight_format)
         self.blocks = model_blocks(config, all_reduce)
+        consumed = set()
 
         def parameter(name: str, shape: list[int], draw: Draw) -> paddle.Tensor:
-            return self.create_parameter(
-                shape,
-                dtype=config.dtype,
-                default_initializer=nn.initializer.Assign(
-                    values(name, shape, draw).astype(config.dtype)
-                ),
-            )
+            return _parameter(self, values(name, shape, draw), config.dtype)
+
+        def tracked(name: str, shape: list[int], draw: Draw) -> np.ndarray:
+            consumed.add(name)
+            return values(name, shape, draw)
 
         # Unit-variance embeddings and an lm_head scaled for O(1) logits keep the logits
         # spread out, so greedy decoding wanders over many tokens instead of tying.
-        self.embed = parameter(
-            "embed", [vocab, hidden], lambda rng: rng.standard_normal((vocab, hidden))
-        )
+        def embedding(rng: np.random.Generator) -> np.ndarray:
+            return rng.standard_normal((vocab, hidden))
+
+        lm_head = _scaled_normal(hidden, vocab)
+        self._embedding = None  # the packed embedding, for a packed-only model
+        self._lm_head = None  # DenseWeight of the LM head, made on first use
+        if config.weight_format is None:
+            self.embed = parameter("embed", [vocab, hidden], embedding)
+        else:
+            # Packed as the LM head's [hidden, vocab]: a tied model keeps one copy.
+            embed = tracked("embed", [vocab, hidden], embedding).astype(np.float32, copy=False)
+            self.embed = None
+            self._embedding = DenseWeight.packed_only(embed.T, config.weight_format)
+            del embed
         self.layers = nn.LayerList(
             [
-                DecoderLayer(config, f"layers.{i}", values, self.blocks)
+                DecoderLayer(config, f"layers.{i}", tracked, self.blocks)
                 for i in range(config.num_layers)
             ]
         )
         self.final_norm = RMSNorm(
             values("final_norm.weight", [hidden], _ones(hidden)), config.dtype
         )
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else parameter("lm_head", [hidden, vocab], _scaled_normal(hidden, vocab))
-        )
-        self._lm_head = None  # DenseWeight of the LM head, made on first use
+        if config.tie_word_embeddings:
+            self.lm_head = None
+            self._lm_head = self._embedding  # packed-only: the same copy; else made on use
+        elif config.weight_format is None:
+            self.lm_head = parameter("lm_head", [hidden, vocab], lm_head)
+        else:
+            self.lm_head = None
+            head = tracked("lm_head", [hidden, vocab], lm_head)
+            self._lm_head = DenseWeight.packed_only(
+                head.astype(np.float32, copy=False), config.weight_format
+            )
         if weights is not None:
-            unused = sorted(set(weights) - {name for name, _ in self.named_parameters()})
+            known = {name for name, _ in self.named_parameters()} | consumed
+            unused = sorted(set(weights) - known)
             if unused:
                 raise ValueError(
                     f"LlamaForCausalLM: argument 'weights': arrays for no parameter: {unused}"
@@ -281,7 +337,10 @@ class LlamaForCausalLM(nn.Layer):
     ) -> paddle.Tensor:
         """Hidden states [T, hidden] of the tokens ``input_ids`` [T], before the final norm
         (``_logits`` applies it, to the rows it needs)."""
-        x = paddle.gather(self.embed, input_ids)
+        if self._embedding is None:
+            x = paddle.gather(self.embed, input_ids)
+        else:
+            x = cpu_linear.columns(self._embedding.packed, input_ids)
         rope = self._rope(positions)
         for index, layer in enumerate(self.layers):
             x = layer(x, rope, attend_for_layer(index))

@@ -1,7 +1,9 @@
-"""``python -m paddle_step.serve`` in a subprocess on 127.0.0.1, for tests and benchmarks:
-started on a free port, waited for until ``/health`` answers, and always stopped; and the
-helpers for any server so started (a free port, the health wait, a metric's value).
-Standard library only: an install check runs this where only the runtime packages are."""
+"""A server for tests and benchmarks on 127.0.0.1: ``python -m paddle_step.serve`` in a
+subprocess (``server_process``: started on a free port, waited for until ``/health``
+answers, and always stopped), or an app served by uvicorn in a thread of this process
+(``serve_in_thread``); and the helpers for any server so started (a free port, the health
+wait, a metric's value). Standard library only at import: an install check runs this
+where only the runtime packages are."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -24,6 +27,7 @@ __all__ = [
     "free_port",
     "metric",
     "metrics",
+    "serve_in_thread",
     "server_process",
     "spawn_server",
     "wait_for_health",
@@ -157,3 +161,29 @@ def _healthy(url: str) -> bool:
             return answer.status == 200
     except (urllib.error.URLError, OSError):
         return False
+
+
+@contextmanager
+def serve_in_thread(app, timeout_s: float = 30.0) -> Iterator[str]:
+    """Serves ``app`` on 127.0.0.1 (a free port) in a thread; yields the base URL and
+    shuts the server down at the end."""
+    import uvicorn
+
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=5
+        )
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout_s)

@@ -34,7 +34,8 @@ class HFTokenizer:
 
     ``bos_token``/``eos_token`` are the strings of ``tokenizer_config.json`` (None if absent),
     ``eos_id`` the id of ``eos_token`` (None if absent). ``chat_template`` is the Jinja source
-    or None.
+    or None. ``tokenizer_file`` is the ``tokenizer.json`` it was read from (None when built
+    in memory): structured output builds its own view of the vocabulary from it.
     """
 
     def __init__(
@@ -43,8 +44,10 @@ class HFTokenizer:
         bos_token: str | None = None,
         eos_token: str | None = None,
         chat_template: str | None = None,
+        tokenizer_file: Path | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.tokenizer_file = tokenizer_file
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.chat_template = chat_template
@@ -77,6 +80,7 @@ class HFTokenizer:
             bos_token=_token_text(config.get("bos_token")),
             eos_token=_token_text(config.get("eos_token")),
             chat_template=template,
+            tokenizer_file=tokenizer_file.resolve(),
         )
 
     @property

@@ -10,20 +10,17 @@ import asyncio
 import json
 import random
 import shutil
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from paddle_step.engine.arg_utils import build_engine
 from paddle_step.entrypoints.openai import cli as serve
 from paddle_step.sampling_params import SamplingParams
-from paddle_step.testing.server_process import metric, server_process
+from paddle_step.testing.server_process import metric, serve_in_thread, server_process
 
 GOLDEN_LLAMA = Path(__file__).resolve().parents[2] / "data" / "hf-tiny" / "llama-tiny"
 CHAT_TEMPLATE = (
@@ -69,34 +66,11 @@ def checkpoint(tmp_path_factory):
     return folder
 
 
-@contextmanager
-def running_server(app, timeout_s: float = 30.0):
-    """Serves ``app`` on 127.0.0.1 (a free port) in a thread; yields the base URL."""
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=5
-        )
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout_s
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout_s)
-
-
 @pytest.fixture(scope="module")
 def served(checkpoint):
     args = serve.parse_args(["--model", str(checkpoint), *SERVER_ARGS])
     app, loop = serve.build_app(args)
-    with running_server(app) as base_url:
+    with serve_in_thread(app) as base_url:
         yield base_url, loop
 
 
@@ -229,7 +203,9 @@ BAD_REQUESTS = [
     ("temperature", {"prompt": "hi", "temperature": 2.5}, "temperature"),
     ("top_p", {"prompt": "hi", "top_p": 0}, "top_p"),
     ("unknown model", {"prompt": "hi", "model": "gpt-4"}, "model"),
-    ("n > 1", {"prompt": "hi", "n": 2}, "'n'"),
+    ("n < 1", {"prompt": "hi", "n": 0}, "'n'"),
+    ("unknown field", {"prompt": "hi", "frobnicate": 1}, "frobnicate"),
+    ("suffix", {"prompt": "hi", "suffix": "x"}, "suffix"),
     ("empty prompt", {"prompt": ""}, "prompt"),
     ("ids past the embedding", {"prompt": [5, 400]}, "token ids must be in [0, 400)"),
 ]

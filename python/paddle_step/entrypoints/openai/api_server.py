@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP API over an ``EngineLoop``.
 
-Handlers validate a request, tokenize it, submit it to the engine process and relay its
-tokens: as server-sent events (``stream: true``, one chunk per token that completes
-text, then ``data: [DONE]``) or as one JSON body. A client that disconnects aborts its
-request, which returns its slot and KV blocks to the engine.
+Handlers validate a request, tokenize it, submit one engine request per prompt (its ``n``
+samples drawn by the engine) and relay their tokens: as server-sent events (``stream:
+true``, one chunk per piece of text that became final, then ``data: [DONE]``) or as one
+JSON body. A client that disconnects aborts its requests, which returns their slots and
+KV blocks to the engine.
 """
 
 from __future__ import annotations
@@ -18,13 +19,20 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from ...engine.core_client import EngineLoop, EngineUnavailable, RequestError, RequestHandle
+from ...engine.core_client import (
+    EngineLoop,
+    EngineUnavailable,
+    RequestError,
+    RequestHandle,
+)
 from ...sampling_params import SamplingParams
 from ...tokenizer.detokenizer import IncrementalDetokenizer
 from .guard import RequestGuard
+from .logprobs import LogprobFormatter
 from .metrics import metrics_registry
 from .openapi import install_openapi
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest
@@ -49,16 +57,19 @@ def create_app(
 
     ``tokenizer`` needs ``encode(text)``, ``decode(ids, skip_special_tokens)``,
     ``vocab_size`` and ``encode_chat(messages)`` (the checkpoint's chat template; raises
-    ``ValueError`` when the checkpoint has none). ``api_key`` and ``max_request_bytes``:
-    see ``RequestGuard``. A request that would be the ``max_waiting``-th one waiting for
-    a batch slot gets 429.
+    ``ValueError`` when the checkpoint has none); structured output needs its
+    ``tokenizer_file``. ``api_key`` and ``max_request_bytes``: see ``RequestGuard``. A
+    request that would make more than ``max_waiting`` engine requests wait for a batch
+    slot gets 429.
     """
 
     max_model_len = loop.info["max_model_len"]
     # Prompt ids index the model's embedding rows (the engine checks the same bound).
     vocab_size = loop.info["vocab_size"]
+    eos_token_ids = loop.info.get("eos_token_ids", [])
     max_in_flight = loop.info["max_batch"] + max_waiting
     max_prompt_bytes = _max_prompt_bytes(tokenizer, max_model_len)
+    formatter = LogprobFormatter(tokenizer)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -110,25 +121,31 @@ def create_app(
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models() -> dict:
+    def model_card() -> dict:
         return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model_name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "paddle_step",
-                    "max_model_len": max_model_len,
-                }
-            ],
+            "id": model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "paddle_step",
+            "max_model_len": max_model_len,
         }
 
-    def prepare(
-        body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int]
-    ) -> tuple[RequestHandle, TextStream]:
-        """Checks what depends on the model, then the handle and text stream."""
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        if model_id != model_name:
+            raise ApiError(
+                f"model '{model_id}' does not exist; this server serves '{model_name}'",
+                status=404,
+                param="model",
+                kind="model_not_found",
+            )
+        return model_card()
+
+    def check_model_and_prompt(body, prompt_ids: list[int]) -> None:
         if body.model != model_name:
             raise ApiError(
                 f"'model': expected '{model_name}', got '{body.model}'",
@@ -141,30 +158,55 @@ def create_app(
                 f"'prompt': token ids must be in [0, {vocab_size}), got {outside[:5]}",
                 param="prompt",
             )
+
+    def token_budget(prompt_ids: list[int], asked: int | None, name: str, prompt_param: str) -> int:
+        """``asked`` (None: all the room left), checked against the context."""
         room = max_model_len - len(prompt_ids)
         if room < 1:
             raise ApiError(
                 f"the prompt ({len(prompt_ids)} tokens) leaves no room in the model's context "
                 f"of {max_model_len} tokens",
-                param="prompt" if isinstance(body, CompletionRequest) else "messages",
+                param=prompt_param,
             )
-        max_tokens = body.max_tokens if body.max_tokens is not None else room
+        max_tokens = asked if asked is not None else room
         if max_tokens > room:
             raise ApiError(
-                f"the prompt ({len(prompt_ids)} tokens) plus 'max_tokens' ({max_tokens}) "
+                f"the prompt ({len(prompt_ids)} tokens) plus '{name}' ({max_tokens}) "
                 f"exceeds the model's context of {max_model_len} tokens",
-                param="max_tokens",
+                param=name,
             )
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=float(body.temperature),
-            top_p=float(body.top_p),
-            seed=body.seed,
-            eos_token_id=[] if body.ignore_eos else None,
-        )
-        detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=True)
-        text = TextStream(detokenizer, body.stop_strings())
-        return RequestHandle(prompt_ids, params), text
+        return max_tokens
+
+    async def constraints_of(body) -> Callable[[], object | None]:
+        """A maker of the structured-output constraint ``response_format`` asks for (one
+        per prompt: each keeps its own state); it makes None without one. The schema is
+        compiled once, in a worker thread: the first compile also builds llguidance's view
+        of the vocabulary (up to a second for a large one), which must not stall the
+        streams in flight."""
+        schema = body.json_schema()
+        if schema is None:
+            return lambda: None
+        tokenizer_file = getattr(tokenizer, "tokenizer_file", None)
+        if tokenizer_file is None:
+            raise ApiError(
+                "'response_format': structured output needs a Hugging Face tokenizer.json; "
+                "this model has none",
+                param="response_format",
+            )
+        if body.n > 1:
+            raise ApiError(
+                f"'response_format': structured output draws one sample per prompt, got n {body.n}",
+                param="response_format",
+            )
+        from ...structured_output import JsonSchemaConstraint, compile_json_schema
+
+        try:
+            grammar = await asyncio.to_thread(
+                compile_json_schema, schema, tokenizer_file, eos_token_ids, vocab_size
+            )
+        except ValueError as error:
+            raise ApiError(f"'response_format': {error}", param="response_format") from None
+        return lambda: JsonSchemaConstraint(grammar, tokenizer_file, eos_token_ids, vocab_size)
 
     def check_prompt_size(text_size: int, param: str) -> None:
         """Refuses, before tokenizing, a text too long for the context in any tokenization."""
@@ -178,31 +220,64 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _check_text(body)
-        body.check_ranges()
-        prompt = body.single_prompt()
-        if isinstance(prompt, str):
-            check_prompt_size(len(prompt.encode()), "prompt")
-        prompt_ids = list(prompt) if isinstance(prompt, list) else tokenizer.encode(prompt)
-        handle, text = prepare(body, prompt_ids)
-        return await respond(request, body, handle, text, _CompletionFormat())
+        body.check(vocab_size)
+        prompts = body.prompts()
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                check_prompt_size(len(prompt.encode()), "prompt")
+        prompt_ids_list = [
+            list(prompt) if isinstance(prompt, list) else tokenizer.encode(prompt)
+            for prompt in prompts
+        ]
+        runs: list[_Run] = []
+        new_constraint = await constraints_of(body)
+        for index, (prompt, prompt_ids) in enumerate(zip(prompts, prompt_ids_list)):
+            check_model_and_prompt(body, prompt_ids)
+            max_tokens = token_budget(prompt_ids, body.max_tokens, "max_tokens", "prompt")
+            best_of = body.samples_drawn()
+            params = body.sampling_params(
+                max_tokens,
+                vocab_size,
+                logprobs=body.logprobs,
+                prompt_logprobs=body.prompt_logprobs_asked(),
+                best_of=best_of if best_of > body.n else None,
+                constraint=new_constraint(),
+            )
+            echo = None
+            if body.echo:
+                echo = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
+            runs.append(_Run(index, prompt_ids, params, echo))
+        fmt = _CompletionFormat(model_name, formatter, body.logprobs, body.prompt_logprobs)
+        return await respond(request, body, runs, fmt)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         _check_text(body)
-        body.check_ranges()
-        messages = [message.model_dump() for message in body.messages]
-        check_prompt_size(sum(len(m.content.encode()) for m in body.messages), "messages")
+        body.check(vocab_size)
+        messages = [message.for_template() for message in body.messages]
+        check_prompt_size(sum(len(m["content"].encode()) for m in messages), "messages")
         try:
             prompt_ids = tokenizer.encode_chat(messages)
-        except ValueError as error:
-            raise ApiError(str(error), param="messages") from None
-        handle, text = prepare(body, prompt_ids)
-        return await respond(request, body, handle, text, _ChatFormat())
+        except (ValueError, TemplateError) as error:
+            raise ApiError(f"'messages': {error}", param="messages") from None
+        check_model_and_prompt(body, prompt_ids)
+        limit_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        max_tokens = token_budget(prompt_ids, body.completion_limit(), limit_name, "messages")
+        params = body.sampling_params(
+            max_tokens,
+            vocab_size,
+            logprobs=body.logprobs_asked(),
+            constraint=(await constraints_of(body))(),
+        )
+        fmt = _ChatFormat(model_name, formatter, body.logprobs_asked())
+        return await respond(request, body, [_Run(0, prompt_ids, params, None)], fmt)
 
-    async def respond(
-        request: Request, body, handle: RequestHandle, text: TextStream, fmt: _Format
-    ) -> Response:
-        if loop.num_in_flight >= max_in_flight:
+    async def respond(request: Request, body, runs: list[_Run], fmt: _Format) -> Response:
+        events: asyncio.Queue = asyncio.Queue()
+        for run in runs:
+            run.start(tokenizer, body.stop_strings(), events)
+        handles = [run.handle for run in runs if run.handle is not None]
+        if handles and loop.num_in_flight + len(handles) > max_in_flight:
             error = ApiError(
                 f"the server is at capacity ({max_waiting} requests waiting for a slot); "
                 "retry later",
@@ -211,26 +286,210 @@ def create_app(
             )
             return JSONResponse(error.body(), status_code=429, headers={"Retry-After": "1"})
         try:
-            loop.submit(handle)
+            for handle in handles:
+                loop.submit(handle)
         except EngineUnavailable as error:
+            _abort_all(loop, runs)
             raise ApiError(str(error), status=503, kind="service_unavailable") from None
-        fmt.start(model_name, len(handle.prompt_ids))
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            include_usage = body.include_usage()
             return StreamingResponse(
-                _sse(loop, handle, text, fmt, include_usage), media_type="text/event-stream"
+                _sse(loop, runs, events, fmt, include_usage), media_type="text/event-stream"
             )
-        pieces: list[str] = []
         try:
-            async for piece in _relay(handle, text, fmt, request.is_disconnected):
-                pieces.append(piece)
+            async for _update in _relay(loop, runs, events, request.is_disconnected):
+                pass
         finally:
-            _abort_unless_done(loop, handle)
-        if fmt.error is not None:
-            raise _api_error(fmt.error)
-        return JSONResponse(fmt.whole("".join(pieces), fmt.finish_reason, text.num_tokens))
+            _abort_all(loop, runs)
+        error = next((run.error for run in runs if run.error is not None), None)
+        if error is not None:
+            raise error
+        return JSONResponse(fmt.whole(runs))
 
     return app
+
+
+class _Choice:
+    """One sample of a run as the client sees it: its text so far, tokens, logprobs."""
+
+    def __init__(self, run: _Run, sample: int, tokenizer, stops: list[str]) -> None:
+        self.run = run
+        self.sample = sample
+        detokenizer = IncrementalDetokenizer(tokenizer, run.prompt_ids, skip_special_tokens=True)
+        self.text = TextStream(detokenizer, stops)
+        self.pieces: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list = []  # (logprob, top) per token, when asked
+        self.unsent_logprobs = 0  # tokens whose logprobs no chunk has carried yet
+        self.finish_reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, token_id: int, logprobs) -> str:
+        """The text ``token_id`` made final ('' when none)."""
+        self.token_ids.append(token_id)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+            self.unsent_logprobs += 1
+        delta = self.text.add(token_id)
+        if self.text.stopped:  # a stop string ended this choice's text
+            self.finish_reason = "stop"
+        self.pieces.append(delta)
+        return delta
+
+    def finish(self, reason: str) -> str:
+        """The text held back until the end; records why it ended."""
+        delta = "" if self.done else self.text.finish()
+        if not self.done:
+            self.finish_reason = "length" if reason == "length" else "stop"
+        self.pieces.append(delta)
+        return delta
+
+
+class _Run:
+    """One prompt's engine request and its choices (one per sample drawn)."""
+
+    def __init__(
+        self, index: int, prompt_ids: list[int], params: SamplingParams, echo: str | None
+    ) -> None:
+        self.index = index
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.echo = echo  # the prompt's text when the answer repeats it
+        self.handle: RequestHandle | None = None
+        self.samples: dict[int, _Choice] = {}
+        self.returned: list[_Choice] = []  # in choice order, once finished
+        self.prompt_logprobs = None
+        self.cached_tokens = 0  # prompt tokens the prefix cache supplied
+        self.error: ApiError | None = None
+        self.finished = False
+
+    def start(self, tokenizer, stops: list[str], events: asyncio.Queue) -> None:
+        drawn = self.params.best_of or self.params.n
+        self.samples = {j: _Choice(self, j, tokenizer, stops) for j in range(drawn)}
+        if self.params.max_tokens == 0 and self.params.prompt_logprobs is None:
+            # Nothing for the engine to compute: the answer is the echoed prompt alone.
+            for choice in self.samples.values():
+                choice.finish("length")
+            self.returned = [self.samples[j] for j in range(self.params.n)]
+            self.finished = True
+            return
+        self.handle = RequestHandle(self.prompt_ids, self.params, events=events, index=self.index)
+
+    @property
+    def num_returned(self) -> int:
+        return self.params.n
+
+    def completion_tokens(self) -> int:
+        return sum(len(choice.token_ids) for choice in self.returned)
+
+
+def _abort_all(loop: EngineLoop, runs: list[_Run]) -> None:
+    for run in runs:
+        handle = run.handle
+        if handle is not None and not handle.done:
+            loop.abort(handle)
+            handle.done = True
+
+
+async def _relay(
+    loop: EngineLoop,
+    runs: list[_Run],
+    events: asyncio.Queue,
+    is_disconnected: Callable | None = None,
+) -> AsyncIterator[tuple[_Run, _Choice | None, str]]:
+    """``(run, choice, text delta)`` as the runs' tokens arrive, and ``(run, None, "")``
+    when a run's prompt logprobs arrive, until every run has ended; records on each run
+    its choices' finish reasons or its error. With ``is_disconnected``, stops early once
+    the client has gone."""
+    pending = sum(not run.finished for run in runs)
+    while pending:
+        if is_disconnected is None:
+            index, kind, value = await events.get()
+        else:
+            try:
+                index, kind, value = await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
+            except TimeoutError:
+                if await is_disconnected():
+                    return
+                continue
+        run = runs[index]
+        if run.finished:
+            continue
+        if kind == "token":
+            sample, token_id, logprobs = value
+            choice = run.samples[sample]
+            if choice.done:  # a stop string already ended it
+                continue
+            yield run, choice, choice.add(token_id, logprobs)
+            if all(choice.done for choice in run.samples.values()):
+                # Every sample stopped on a stop string: the engine need not go on.
+                _abort_all(loop, [run])
+                run.returned = [run.samples[j] for j in range(run.params.n)]
+                run.finished = True
+                pending -= 1
+        elif kind == "cached":
+            run.cached_tokens = value
+        elif kind == "prompt_logprobs":
+            run.prompt_logprobs = value
+            yield run, None, ""
+        elif kind == "finish":
+            run.handle.done = True
+            for sample, reason in value:
+                choice = run.samples[sample]
+                yield run, choice, choice.finish(reason)
+            run.returned = [run.samples[sample] for sample, _reason in value]
+            run.finished = True
+            pending -= 1
+        else:  # "error": the engine refused the request, or failed
+            run.handle.done = True
+            run.error = _api_error(value)
+            run.finished = True
+            pending -= 1
+
+
+async def _sse(
+    loop: EngineLoop, runs: list[_Run], events: asyncio.Queue, fmt: _Format, include_usage: bool
+) -> AsyncIterator[str]:
+    # A run whose first chunks (an echo with logprobs) wait for its prompt logprobs holds
+    # its other chunks back until then, so each choice's chunks stay in order.
+    held: dict[int, list[str]] = {
+        run.index: [] for run in runs if fmt.waits_for_prompt_logprobs(run)
+    }
+    try:
+        for run in runs:
+            if run.index not in held:
+                for chunk in fmt.first_chunks(run):
+                    yield _event(chunk)
+        async for run, choice, delta in _relay(loop, runs, events):
+            if choice is None:
+                if run.index in held:
+                    for chunk in fmt.first_chunks(run):
+                        yield _event(chunk)
+                    for event in held.pop(run.index):
+                        yield event
+            elif delta or choice.unsent_logprobs:
+                event = fmt.text_event(choice, delta)
+                if run.index in held:
+                    held[run.index].append(event)
+                else:
+                    yield event
+        error = next((run.error for run in runs if run.error is not None), None)
+        if error is not None:
+            yield _event(error.body())
+        else:
+            for run in runs:
+                for event in held.pop(run.index, []):
+                    yield event
+                for choice in run.returned:
+                    yield _event(fmt.chunk(choice, "", choice.finish_reason))
+            if include_usage:
+                yield _event(fmt.envelope(fmt.chunk_object, [], usage=fmt.usage(runs)))
+        yield "data: [DONE]\n\n"
+    finally:  # also when the client went away and the response was cancelled
+        _abort_all(loop, runs)
 
 
 def _max_prompt_bytes(tokenizer, max_model_len: int) -> int:
@@ -282,70 +541,6 @@ def _api_error(error: RequestError) -> ApiError:
     return ApiError(error.message)
 
 
-def _abort_unless_done(loop: EngineLoop, handle: RequestHandle) -> None:
-    if not handle.done:
-        loop.abort(handle)
-        handle.done = True
-
-
-async def _relay(
-    handle: RequestHandle, text: TextStream, fmt: _Format, is_disconnected: Callable | None = None
-) -> AsyncIterator[str]:
-    """Text deltas of ``handle``'s request, until it ends; records on ``fmt`` why it ended
-    (``finish_reason``) or failed (``error``). With ``is_disconnected``, stops early once
-    the client has gone."""
-    while True:
-        if is_disconnected is None:
-            kind, value = await handle.events.get()
-        else:
-            try:
-                kind, value = await asyncio.wait_for(handle.events.get(), _DISCONNECT_POLL_S)
-            except TimeoutError:
-                if await is_disconnected():
-                    return
-                continue
-        if kind == "cached":
-            fmt.cached_tokens = value
-        elif kind == "token":
-            delta = text.add(value.token_id)
-            if text.stopped:  # a stop string ended the text: the request is done
-                fmt.finish_reason = "stop"
-                yield delta
-                return
-            if delta:
-                yield delta
-        elif kind == "finish":
-            handle.done = True
-            fmt.finish_reason = "length" if value.finish_reason == "length" else "stop"
-            yield text.finish()
-            return
-        else:
-            handle.done = True
-            fmt.error = value
-            return
-
-
-async def _sse(
-    loop: EngineLoop, handle: RequestHandle, text: TextStream, fmt: _Format, include_usage: bool
-) -> AsyncIterator[str]:
-    try:
-        first = fmt.first_chunk()
-        if first is not None:
-            yield _event(first)
-        async for delta in _relay(handle, text, fmt):
-            if delta:
-                yield fmt.text_event(delta)
-        if fmt.error is not None:
-            yield _event(_api_error(fmt.error).body())
-        else:
-            yield _event(fmt.chunk("", fmt.finish_reason))
-            if include_usage:
-                yield _event(fmt.usage_chunk(text.num_tokens))
-        yield "data: [DONE]\n\n"
-    finally:  # also when the client went away and the response was cancelled
-        _abort_unless_done(loop, handle)
-
-
 def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
@@ -353,36 +548,16 @@ def _event(payload: dict) -> str:
 class _Format:
     """The response objects of one endpoint (ids, chunks, the final body)."""
 
-    object_name = ""
+    chunk_object = ""
     id_prefix = ""
 
-    def start(self, model_name: str, prompt_tokens: int) -> None:
+    def __init__(self, model_name: str, formatter: LogprobFormatter) -> None:
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model_name
-        self.prompt_tokens = prompt_tokens
-        self.cached_tokens = 0  # prompt tokens the prefix cache supplied
-        self.finish_reason: str | None = None
-        self.error: RequestError | None = None
-        self._text_event_parts: list[str] | None = None
-
-    def text_event(self, delta: str) -> str:
-        """``_event(self.chunk(delta))`` from a template rendered once per request: only
-        the text changes from token to token, and this runs for every token."""
-        if self._text_event_parts is None:
-            marker = "\x00delta\x00"  # JSON escapes it, so no text can look like it
-            encoded = json.dumps(marker)
-            self._text_event_parts = _event(self.chunk(marker)).split(encoded)
-        head, tail = self._text_event_parts
-        return head + json.dumps(delta, ensure_ascii=False) + tail
-
-    def usage(self, completion_tokens: int) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": self.prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        }
+        self.formatter = formatter
+        self.logprobs: int | None = None
+        self._templates: dict[int, list[str]] = {}
 
     def envelope(self, object_name: str, choices: list, **extra) -> dict:
         return {
@@ -394,55 +569,183 @@ class _Format:
             **extra,
         }
 
-    def first_chunk(self) -> dict | None:
-        return None
+    @staticmethod
+    def choice_index(choice: _Choice, position: int | None = None) -> int:
+        """Choices of a batch are numbered prompt by prompt: prompt i's k-th is i * n + k."""
+        run = choice.run
+        k = choice.sample if position is None else position
+        return run.index * run.num_returned + k
 
-    def usage_chunk(self, completion_tokens: int) -> dict:
-        return self.envelope(self.object_name, [], usage=self.usage(completion_tokens))
+    def usage(self, runs: list[_Run]) -> dict:
+        prompt_tokens = sum(len(run.prompt_ids) for run in runs)
+        completion_tokens = sum(run.completion_tokens() for run in runs)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(run.cached_tokens for run in runs)},
+        }
+
+    def first_chunks(self, run: _Run) -> list[dict]:
+        return []
+
+    def waits_for_prompt_logprobs(self, run: _Run) -> bool:
+        """True when the first chunks carry prompt logprobs the engine has yet to send."""
+        return False
+
+    def text_event(self, choice: _Choice, delta: str) -> str:
+        """``_event(self.chunk(choice, delta))``; without logprobs, from a template
+        rendered once per choice, as only the text changes from token to token."""
+        if self.logprobs is not None:
+            return _event(self.chunk(choice, delta))
+        parts = self._templates.get(id(choice))
+        if parts is None:
+            marker = "\x00delta\x00"  # JSON escapes it, so no text can look like it
+            parts = _event(self.chunk(choice, marker)).split(json.dumps(marker))
+            self._templates[id(choice)] = parts
+        head, tail = parts
+        return head + json.dumps(delta, ensure_ascii=False) + tail
+
+    def take_logprobs(self, choice: _Choice) -> list:
+        """The logprobs of the choice's tokens no chunk has carried yet."""
+        count, choice.unsent_logprobs = choice.unsent_logprobs, 0
+        return choice.logprobs[len(choice.logprobs) - count :] if count else []
 
 
 class _CompletionFormat(_Format):
-    object_name = "text_completion"
+    chunk_object = "text_completion"
     id_prefix = "cmpl"
 
-    def chunk(self, delta: str, finish_reason: str | None = None) -> dict:
-        return self.envelope(
-            self.object_name,
-            [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}],
-        )
+    def __init__(
+        self,
+        model_name: str,
+        formatter: LogprobFormatter,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+    ) -> None:
+        super().__init__(model_name, formatter)
+        self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs
+        self._offsets: dict[int, int] = {}  # text offset reached per streamed choice
 
-    def whole(self, text: str, finish_reason: str, completion_tokens: int) -> dict:
+    def first_chunks(self, run: _Run) -> list[dict]:
+        """With ``echo``, each choice starts with the prompt (and its logprobs)."""
+        if run.echo is None:
+            return []
+        chunks = []
+        for k in range(run.num_returned):
+            choice = run.samples[k]
+            logprobs = self._echo_logprobs(run)
+            if logprobs is not None:  # offsets go on from the prompt tokens' texts
+                self._offsets[id(choice)] = sum(len(text) for text in logprobs["tokens"])
+            chunks.append(
+                self.envelope(
+                    self.chunk_object,
+                    [{"index": self.choice_index(choice), "text": run.echo,
+                      "logprobs": logprobs, "finish_reason": None}],
+                )
+            )  # fmt: skip
+        return chunks
+
+    def waits_for_prompt_logprobs(self, run: _Run) -> bool:
+        return run.echo is not None and self.logprobs is not None and run.handle is not None
+
+    def _echo_logprobs(self, run: _Run) -> dict | None:
+        if self.logprobs is None:
+            return None
+        return self.formatter.completion(run.prompt_ids, [None, *(run.prompt_logprobs or [])], 0)
+
+    def chunk(self, choice: _Choice, delta: str, finish_reason: str | None = None) -> dict:
+        logprobs = None
+        if self.logprobs is not None:
+            entries = self.take_logprobs(choice)
+            tokens = choice.token_ids[len(choice.token_ids) - len(entries) :] if entries else []
+            start = self._offsets.get(id(choice), 0)
+            logprobs = self.formatter.completion(tokens, entries, start)
+            self._offsets[id(choice)] = start + sum(len(t) for t in logprobs["tokens"])
         return self.envelope(
-            self.object_name,
-            [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-            usage=self.usage(completion_tokens),
-        )
+            self.chunk_object,
+            [{"index": self.choice_index(choice), "text": delta, "logprobs": logprobs,
+              "finish_reason": finish_reason}],
+        )  # fmt: skip
+
+    def whole(self, runs: list[_Run]) -> dict:
+        choices = []
+        for run in runs:
+            for position, choice in enumerate(run.returned):
+                text = "".join(choice.pieces)
+                logprobs = None
+                if self.logprobs is not None:
+                    tokens = list(choice.token_ids[: len(choice.logprobs)])
+                    entries = list(choice.logprobs)
+                    if run.echo is not None:
+                        tokens = run.prompt_ids + tokens
+                        entries = [None, *(run.prompt_logprobs or []), *entries]
+                    logprobs = self.formatter.completion(tokens, entries, 0)
+                if run.echo is not None:
+                    text = run.echo + text
+                choice_body = {
+                    "index": self.choice_index(choice, position),
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": choice.finish_reason,
+                }
+                if self.prompt_logprobs is not None:
+                    choice_body["prompt_logprobs"] = self.formatter.vllm_prompt(
+                        run.prompt_ids, run.prompt_logprobs or []
+                    )
+                choices.append(choice_body)
+        return self.envelope(self.chunk_object, choices, usage=self.usage(runs))
 
 
 class _ChatFormat(_Format):
-    object_name = "chat.completion.chunk"
+    chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def first_chunk(self) -> dict:
-        return self.chunk(None, role="assistant")
+    def __init__(self, model_name: str, formatter: LogprobFormatter, logprobs: int | None) -> None:
+        super().__init__(model_name, formatter)
+        self.logprobs = logprobs
 
-    def chunk(self, delta: str | None, finish_reason: str | None = None, role=None) -> dict:
-        message = {"role": role} if role else ({"content": delta} if delta else {})
-        return self.envelope(
-            self.object_name,
-            [{"index": 0, "delta": message, "logprobs": None, "finish_reason": finish_reason}],
-        )
+    def first_chunks(self, run: _Run) -> list[dict]:
+        return [
+            self.envelope(
+                self.chunk_object,
+                [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}],
+            )
+            for k in range(run.num_returned)
+        ]  # fmt: skip
 
-    def whole(self, text: str, finish_reason: str, completion_tokens: int) -> dict:
+    def _logprobs(self, tokens: list[int], entries: list) -> dict | None:
+        if self.logprobs is None:
+            return None
+        return {"content": self.formatter.chat(tokens, entries), "refusal": None}
+
+    def chunk(self, choice: _Choice, delta: str, finish_reason: str | None = None) -> dict:
+        logprobs = None
+        if self.logprobs is not None:
+            entries = self.take_logprobs(choice)
+            tokens = choice.token_ids[len(choice.token_ids) - len(entries) :] if entries else []
+            logprobs = self._logprobs(tokens, entries)
         return self.envelope(
-            "chat.completion",
-            [
+            self.chunk_object,
+            [{"index": choice.sample, "delta": {"content": delta} if delta else {},
+              "logprobs": logprobs, "finish_reason": finish_reason}],
+        )  # fmt: skip
+
+    def whole(self, runs: list[_Run]) -> dict:
+        [run] = runs
+        choices = []
+        for position, choice in enumerate(run.returned):
+            logprobs = self._logprobs(
+                choice.token_ids[: len(choice.logprobs)], list(choice.logprobs)
+            )
+            choices.append(
                 {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
-                    "finish_reason": finish_reason,
+                    "index": position,
+                    "message": {"role": "assistant", "content": "".join(choice.pieces)},
+                    "logprobs": logprobs,
+                    "finish_reason": choice.finish_reason,
                 }
-            ],
-            usage=self.usage(completion_tokens),
-        )
+            )
+        return self.envelope("chat.completion", choices, usage=self.usage(runs))

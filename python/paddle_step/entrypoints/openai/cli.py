@@ -33,6 +33,7 @@ SERVING_PACKAGES = {
     "fastapi": "fastapi",
     "uvicorn": "uvicorn",
     "prometheus_client": "prometheus-client",
+    "llguidance": "llguidance",  # structured output (response_format)
 }
 
 
@@ -43,6 +44,7 @@ def missing_serving_packages() -> list[str]:
         for module, dist in SERVING_PACKAGES.items()
         if importlib.util.find_spec(module) is None
     ]
+
 
 # After the engine fails, the server answers 503 this long (so clients and a load
 # balancer see why), then exits non-zero for its supervisor to restart it.

@@ -1,9 +1,9 @@
 """The OpenAPI document as the server behaves: FastAPI's, amended with what it cannot
 know from the request models.
 
-- The bounds the server enforces on request fields (``max_tokens``, ``temperature``,
-  ``top_p``, ``n``, the served ``model``, non-empty prompts and stop strings, token ids
-  within the vocabulary).
+- The bounds the server enforces on request fields (``max_tokens``, the sampling
+  controls, ``n``, ``logprobs``, the served ``model``, non-empty prompts and stop strings,
+  token ids within the vocabulary).
 - The error statuses it answers, all in OpenAI's error shape: 400 for any invalid request
   (FastAPI's 422 never happens), 401 with an API key, 413, 429 and 503; ``/health``'s 503.
 - That streams are ``text/event-stream`` and ``/metrics`` is Prometheus text.
@@ -19,6 +19,9 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+
+from ...sampling_params import MAX_LOGPROBS
+from .protocol import MAX_CHOICES
 
 __all__ = ["install_openapi"]
 
@@ -52,6 +55,7 @@ _ERRORS = {
     "Unicode text, or a check the schema cannot express (the prompt's tokens plus "
     "max_tokens beyond the context).",
     "401": "Missing or wrong API key (Authorization: Bearer KEY).",
+    "404": "No model of that id is served.",
     "413": "The request body exceeds the server's limit.",
     "429": "Too many requests waiting for a batch slot; retry after Retry-After seconds.",
     "503": "The engine has failed or the server is shutting down.",
@@ -94,17 +98,32 @@ def _amend(
     schemas["ErrorResponse"] = _ERROR_SCHEMA
     bounds = {
         "model": {"string": {"enum": [model_name]}},
-        "max_tokens": {"number": {"minimum": 1, "maximum": max_model_len - 1}},
+        # 0 only for completions with echo (the prompt's logprobs alone).
+        "max_tokens": {"number": {"minimum": 0, "maximum": max_model_len - 1}},
+        "max_completion_tokens": {"number": {"minimum": 1, "maximum": max_model_len - 1}},
         "temperature": {"number": {"minimum": 0, "maximum": 2}},
         "top_p": {"number": {"exclusiveMinimum": 0, "maximum": 1}},
-        "n": {"number": {"minimum": 1, "maximum": 1}},
+        "top_k": {"number": {"minimum": -1}},
+        "min_p": {"number": {"minimum": 0, "maximum": 1}},
+        "presence_penalty": {"number": {"minimum": -2, "maximum": 2}},
+        "frequency_penalty": {"number": {"minimum": -2, "maximum": 2}},
+        "repetition_penalty": {"number": {"exclusiveMinimum": 0}},
+        "min_tokens": {"number": {"minimum": 0}},
+        "seed": {"number": {"minimum": 0, "maximum": 2**63 - 1}},
+        "stop_token_ids": {"number": {"minimum": 0, "maximum": vocab_size - 1}},
+        "n": {"number": {"minimum": 1, "maximum": MAX_CHOICES}},
+        "best_of": {"number": {"minimum": 1, "maximum": MAX_CHOICES}},
+        "logprobs": {"number": {"minimum": 0, "maximum": MAX_LOGPROBS}},
+        "top_logprobs": {"number": {"minimum": 0, "maximum": MAX_LOGPROBS}},
+        "prompt_logprobs": {"number": {"minimum": 0, "maximum": MAX_LOGPROBS}},
         "stop": {"string": {"minLength": 1}},
         "prompt": {
             "string": {"minLength": 1},
             "number": {"minimum": 0, "maximum": vocab_size - 1},
             "array": {"minItems": 1},
-            "array of string": {"maxItems": 1},
+            "array of string": {"maxItems": MAX_CHOICES},
             "array of integer": {"maxItems": max_model_len - 1},
+            "array of array": {"maxItems": MAX_CHOICES},
         },
     }
     for name in ("CompletionRequest", "ChatCompletionRequest"):
@@ -118,6 +137,8 @@ def _amend(
             responses.pop("422", None)
             if path.startswith("/v1/"):
                 statuses = ["401"] if api_key else []
+                if path.startswith("/v1/models/"):
+                    statuses.append("404")
                 if method == "post":
                     statuses = ["400", *statuses, "413", "429", "503"]
                     responses["200"] = {

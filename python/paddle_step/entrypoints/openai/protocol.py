@@ -1,13 +1,14 @@
-"""The OpenAI request bodies this server accepts, and its error type.
+"""The OpenAI request bodies this server accepts, their mapping to one ``SamplingParams``
+per choice, and the error type.
 
-Only the fields the engine can honour are accepted with values; a field OpenAI defines
-that the engine cannot honour (``n`` > 1, ``logprobs``, ``best_of`` ...) is rejected with
-a 400 naming it, rather than silently ignored.
+Every field a body may carry is declared here: an unknown field is a 400 naming it, and a
+field OpenAI defines that this server cannot honour (``tools``, ``suffix``, ...) is
+accepted only when absent or null. Nothing a client sends is silently ignored.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -17,13 +18,30 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictInt,
+    StrictStr,
 )
 
-__all__ = ["ApiError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest"]
+from ...sampling_params import MAX_LOGPROBS, SamplingParams, TokenConstraint
+
+__all__ = [
+    "MAX_CHOICES",
+    "ApiError",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "ResponseFormat",
+]
+
+# The most choices (prompts x best_of) one request may ask for: each is an engine request.
+MAX_CHOICES = 256
+# OpenAI's bound on a logit_bias value.
+MAX_LOGIT_BIAS = 100.0
+
+Number = StrictInt | StrictFloat
 
 
 class ApiError(Exception):
-    """An error answered as OpenAI's ``{"error": {"message", "type", "code"}}``."""
+    """An error answered as OpenAI's ``{"error": {"message", "type", "param", "code"}}``."""
 
     def __init__(
         self,
@@ -49,6 +67,11 @@ class ApiError(Exception):
         }
 
 
+def _refuse_unless(condition: bool, name: str, expected: str, value: Any) -> None:
+    if not condition:
+        raise ApiError(f"'{name}': expected {expected}, got {value!r}", param=name)
+
+
 def _integral(value):
     """JSON has one kind of number: 7.0 is the integer 7, as JSON Schema's "integer" says
     (and schema-driven clients send it). Fractions, bools and strings stay refused."""
@@ -56,30 +79,77 @@ def _integral(value):
 
 
 Integer = Annotated[StrictInt, BeforeValidator(_integral)]
-Number = StrictInt | StrictFloat
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
     include_usage: StrictBool = False
 
 
-class _SamplingFields(BaseModel):
-    """Fields shared by both endpoints. Unknown fields are accepted and ignored, as
-    OpenAI clients send extras; those listed in ``unsupported`` are refused."""
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: OpenAI's ``{name, description, schema, strict}``."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    model: str
+    name: StrictStr = "response"
+    description: StrictStr | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Strict):
+    """``{"type": "text"}``, ``{"type": "json_object"}`` (any JSON object) or
+    ``{"type": "json_schema", "json_schema": {...}}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def schema_or_none(self) -> dict | None:
+        """The JSON schema the output must follow; None for plain text."""
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.json_schema is None:
+                raise ApiError(
+                    "'response_format.json_schema.schema': expected a JSON schema object "
+                    "with type 'json_schema', got none",
+                    param="response_format",
+                )
+            return self.json_schema.json_schema
+        if self.json_schema is not None:
+            raise ApiError(
+                f"'response_format.json_schema': only allowed with type 'json_schema', "
+                f"got type '{self.type}'",
+                param="response_format",
+            )
+        return {"type": "object"} if self.type == "json_object" else None
+
+
+class _RequestFields(_Strict):
+    """Fields both endpoints share (OpenAI's, plus vLLM's sampling extensions)."""
+
+    model: StrictStr
     max_tokens: Integer | None = None
     temperature: Number = 1.0
     top_p: Number = 1.0
+    top_k: Integer = 0  # vLLM's extension; 0 or -1: off
+    min_p: Number = 0.0  # vLLM's extension
+    presence_penalty: Number = 0.0
+    frequency_penalty: Number = 0.0
+    repetition_penalty: Number = 1.0  # vLLM's extension
+    logit_bias: dict[str, Number] | None = None
+    min_tokens: Integer = 0  # vLLM's extension
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[Integer] | None = None  # vLLM's extension
+    ignore_eos: StrictBool = False  # vLLM's extension
     seed: Integer | None = None
-    stop: str | list[str] | None = None
+    n: Integer = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: Integer = 1
-    ignore_eos: StrictBool = False  # vLLM's extension
-    user: str | None = None
+    response_format: ResponseFormat | None = None
+    # An end-user id, for the operator's logs; as at OpenAI, it does not change the output.
+    user: StrictStr | None = None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -89,67 +159,230 @@ class _SamplingFields(BaseModel):
             raise ApiError("'stop': expected non-empty strings, got an empty string", param="stop")
         return stops
 
-    def check_ranges(self) -> None:
+    def include_usage(self) -> bool:
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(
+                "'stream_options': only allowed with 'stream': true, got stream false",
+                param="stream_options",
+            )
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def json_schema(self) -> dict | None:
+        """The schema structured output must follow (``response_format``), or None."""
+        return None if self.response_format is None else self.response_format.schema_or_none()
+
+    def check_common(self, vocab_size: int) -> None:
         """The range checks pydantic's types do not express."""
-        if self.n != 1:
-            raise ApiError(f"'n': only n = 1 is supported, got {self.n}", param="n")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ApiError(
-                f"'max_tokens': expected an integer >= 1, got {self.max_tokens}", param="max_tokens"
-            )
-        if not 0.0 <= self.temperature <= 2.0:
-            raise ApiError(
-                f"'temperature': expected a number in [0, 2], got {self.temperature}",
-                param="temperature",
-            )
-        if not 0.0 < self.top_p <= 1.0:
-            raise ApiError(f"'top_p': expected a number in (0, 1], got {self.top_p}", param="top_p")
-        for name in (
-            "logprobs",
-            "top_logprobs",
-            "best_of",
-            "suffix",
-            "echo",
-            "tools",
-            "functions",
-            "logit_bias",
-            "response_format",
-        ):
-            value = (self.model_extra or {}).get(name)
-            if value not in (None, False, 1 if name == "best_of" else None):
-                raise ApiError(f"'{name}': not supported by this server, got {value!r}", param=name)
+        _refuse_unless(0.0 <= self.temperature <= 2.0, "temperature", "a number in [0, 2]",
+                       self.temperature)  # fmt: skip
+        _refuse_unless(0.0 < self.top_p <= 1.0, "top_p", "a number in (0, 1]", self.top_p)
+        _refuse_unless(self.top_k >= -1, "top_k", "an integer >= -1 (0 or -1: off)", self.top_k)
+        _refuse_unless(0.0 <= self.min_p <= 1.0, "min_p", "a number in [0, 1]", self.min_p)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _refuse_unless(-2.0 <= value <= 2.0, name, "a number in [-2, 2]", value)
+        _refuse_unless(self.repetition_penalty > 0.0, "repetition_penalty", "a number > 0",
+                       self.repetition_penalty)  # fmt: skip
+        _refuse_unless(self.min_tokens >= 0, "min_tokens", "an integer >= 0", self.min_tokens)
+        _refuse_unless(self.n >= 1, "n", "an integer >= 1", self.n)
+        _refuse_unless(self.seed is None or 0 <= self.seed < 2**63, "seed",
+                       "an integer in [0, 2**63)", self.seed)  # fmt: skip
+        for token in self.stop_token_ids or []:
+            _refuse_unless(0 <= token < vocab_size, "stop_token_ids",
+                           f"token ids in [0, {vocab_size})", token)  # fmt: skip
+        self.token_bias(vocab_size)
+
+    def token_bias(self, vocab_size: int) -> dict[int, float]:
+        """``logit_bias`` with its keys (token ids as strings, as JSON has them) as ints."""
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                token = -1
+            _refuse_unless(0 <= token < vocab_size, "logit_bias",
+                           f"keys that are token ids in [0, {vocab_size})", key)  # fmt: skip
+            bound = MAX_LOGIT_BIAS
+            _refuse_unless(-bound <= value <= bound, "logit_bias",
+                           f"values in [-{bound:g}, {bound:g}]", value)  # fmt: skip
+            bias[token] = float(value)
+        return bias
+
+    def sampling_params(
+        self,
+        max_tokens: int,
+        vocab_size: int,
+        *,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        best_of: int | None = None,
+        constraint: TokenConstraint | None = None,
+    ) -> SamplingParams:
+        """The ``SamplingParams`` of one prompt (its ``n`` samples)."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=float(self.temperature),
+            top_p=float(self.top_p),
+            top_k=self.top_k,
+            min_p=float(self.min_p),
+            presence_penalty=float(self.presence_penalty),
+            frequency_penalty=float(self.frequency_penalty),
+            repetition_penalty=float(self.repetition_penalty),
+            logit_bias=self.token_bias(vocab_size),
+            min_tokens=self.min_tokens,
+            stop_token_ids=list(self.stop_token_ids or []),
+            eos_token_id=[] if self.ignore_eos else None,
+            seed=self.seed,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            n=self.n,
+            best_of=best_of,
+            constraint=constraint,
+        )
 
 
-class CompletionRequest(_SamplingFields):
-    """``POST /v1/completions``: one prompt, as text or as token ids."""
+class CompletionRequest(_RequestFields):
+    """``POST /v1/completions``: one prompt or a batch (strings or token-id lists)."""
 
-    prompt: str | list[Integer] | list[str]
+    prompt: StrictStr | list[StrictStr] | list[Integer] | list[list[Integer]]
+    echo: StrictBool = False
+    logprobs: Integer | None = None
+    prompt_logprobs: Integer | None = None  # vLLM's extension
+    best_of: Integer | None = None
+    suffix: None = None  # insertion is not supported: only null is accepted
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: each prompt as text or token ids."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise ApiError(
-                    f"'prompt': one prompt per request is supported, got a list of {len(prompt)}",
-                    param="prompt",
-                )
-            prompt = prompt[0]
-        if not prompt:
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts or any(len(one) == 0 for one in prompts):
             raise ApiError(
-                "'prompt': expected a non-empty string or token list, got an empty one",
+                "'prompt': expected non-empty strings or token lists, got an empty one",
                 param="prompt",
             )
-        return prompt
+        return prompts
+
+    def check(self, vocab_size: int) -> None:
+        self.check_common(vocab_size)
+        if self.max_tokens is not None:
+            _refuse_unless(self.max_tokens >= 1 or (self.max_tokens == 0 and self.echo),
+                           "max_tokens", "an integer >= 1 (0 only with echo)",
+                           self.max_tokens)  # fmt: skip
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _refuse_unless(value is None or 0 <= value <= MAX_LOGPROBS, name,
+                           f"an integer in [0, {MAX_LOGPROBS}]", value)  # fmt: skip
+        best_of = self.samples_drawn()
+        _refuse_unless(best_of >= self.n, "best_of", f"an integer >= n ({self.n})", best_of)
+        if self.stream and best_of > self.n:
+            raise ApiError(
+                "'best_of': a stream cannot carry best_of > n (the best are known only at the "
+                f"end), got best_of {best_of} with n {self.n}",
+                param="best_of",
+            )
+        choices = len(self.prompts()) * best_of
+        _refuse_unless(choices <= MAX_CHOICES, "prompt",
+                       f"prompts x best_of <= {MAX_CHOICES}", choices)  # fmt: skip
+
+    def samples_drawn(self) -> int:
+        return self.n if self.best_of is None else self.best_of
+
+    def prompt_logprobs_asked(self) -> int | None:
+        """Prompt logprobs the engine computes: vLLM's ``prompt_logprobs``, or ``logprobs``
+        when ``echo`` returns the prompt with them."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(_Strict):
+    """A message; ``content`` is a string, a list of text parts (joined with newlines) or,
+    for an assistant, null."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+    # Tool use is not supported: these are accepted only when absent or null/empty.
+    tool_calls: list[Any] | None = None
+    tool_call_id: StrictStr | None = None
+    function_call: None = None
+    refusal: StrictStr | None = None
+
+    def for_template(self) -> dict:
+        """The message as a chat template reads it: content as one string."""
+        if self.tool_calls:
+            raise ApiError("'messages.tool_calls': tool calls are not supported", param="messages")
+        if self.role == "tool":
+            raise ApiError("'messages.role': tool messages are not supported", param="messages")
+        if self.content is None and self.role != "assistant":
+            raise ApiError(
+                f"'messages.content': expected a string or text parts for role '{self.role}', "
+                "got null",
+                param="messages",
+            )
+        if isinstance(self.content, list):
+            content = "\n".join(part.text for part in self.content)
+        else:
+            content = self.content or ""
+        message = {"role": self.role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_RequestFields):
     """``POST /v1/chat/completions``: messages rendered by the checkpoint's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Integer | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Integer | None = None
+    # Tool use is not supported: accepted only when absent, null, empty or "none".
+    tools: list[Any] | None = None
+    tool_choice: Literal["none"] | None = None
+    functions: list[Any] | None = None
+    function_call: Literal["none"] | None = None
+    parallel_tool_calls: None = None
+
+    def check(self, vocab_size: int) -> None:
+        self.check_common(vocab_size)
+        if self.tools or self.functions:
+            raise ApiError("'tools': tool calls are not supported by this server", param="tools")
+        if (
+            self.max_tokens is not None
+            and self.max_completion_tokens is not None
+            and self.max_tokens != self.max_completion_tokens
+        ):
+            raise ApiError(
+                f"'max_completion_tokens' ({self.max_completion_tokens}) and the deprecated "
+                f"'max_tokens' ({self.max_tokens}) disagree; send one",
+                param="max_completion_tokens",
+            )
+        limit = self.completion_limit()
+        _refuse_unless(limit is None or limit >= 1, "max_completion_tokens",
+                       "an integer >= 1", limit)  # fmt: skip
+        if self.top_logprobs is not None:
+            _refuse_unless(self.logprobs, "top_logprobs", "to come with 'logprobs': true",
+                           self.top_logprobs)  # fmt: skip
+            _refuse_unless(0 <= self.top_logprobs <= MAX_LOGPROBS, "top_logprobs",
+                           f"an integer in [0, {MAX_LOGPROBS}]", self.top_logprobs)  # fmt: skip
+        _refuse_unless(self.n <= MAX_CHOICES, "n", f"an integer <= {MAX_CHOICES}", self.n)
+
+    def completion_limit(self) -> int | None:
+        """``max_completion_tokens``, or the deprecated ``max_tokens``."""
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else (self.max_tokens)
+        )
+
+    def logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

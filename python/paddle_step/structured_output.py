@@ -1,0 +1,106 @@
+"""Structured output: a ``TokenConstraint`` that keeps a request's tokens inside a JSON
+schema, by llguidance's grammar matcher (token masks as NumPy arrays, no torch).
+
+The HTTP process compiles and checks the schema (a schema llguidance rejects is the
+client's error); the constraint then travels to the engine process as its grammar and
+the tokenizer file's path, and builds its matcher there on first use. No paddle.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import llguidance
+import numpy as np
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+__all__ = ["JsonSchemaConstraint", "compile_json_schema"]
+
+# Compact JSON (no free whitespace between tokens): a sampling model could otherwise pad
+# its output with whitespace until it runs out of tokens.
+_COMPILE_DEFAULTS = {"whitespace_flexible": False}
+
+
+@functools.lru_cache(maxsize=8)
+def _ll_tokenizer(tokenizer_file: str, eos_token_ids: tuple[int, ...], vocab_size: int):
+    """llguidance's view of a ``tokenizer.json`` (costly to build: one per process)."""
+    source = Path(tokenizer_file).read_text()
+    return llguidance.LLTokenizer(source, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+
+
+def compile_json_schema(
+    schema: dict,
+    tokenizer_file: str | Path,
+    eos_token_ids: Sequence[int],
+    vocab_size: int,
+) -> str:
+    """llguidance's grammar for ``schema``; raises ``ValueError`` with the library's
+    message when it rejects the schema."""
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema), defaults=_COMPILE_DEFAULTS
+        )
+    except ValueError as error:
+        raise ValueError(f"not a usable JSON schema: {error}") from None
+    tokenizer = _ll_tokenizer(str(tokenizer_file), tuple(eos_token_ids), vocab_size)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+    if is_error:
+        raise ValueError(f"not a usable JSON schema: {messages[0]}")
+    return grammar
+
+
+class JsonSchemaConstraint:
+    """Allows only the tokens that keep the text a prefix of a JSON value the grammar
+    (from ``compile_json_schema``) accepts; eos once the value is complete."""
+
+    def __init__(
+        self,
+        grammar: str,
+        tokenizer_file: str | Path,
+        eos_token_ids: Sequence[int],
+        vocab_size: int,
+    ) -> None:
+        self.grammar = grammar
+        self.tokenizer_file = str(tokenizer_file)
+        self.eos_token_ids = tuple(int(token) for token in eos_token_ids)
+        self.vocab_size = int(vocab_size)
+        self._matcher = None
+        self._bitmask = None
+
+    def __getstate__(self) -> dict:
+        # The matcher is native state: the receiving process builds its own.
+        return {**self.__dict__, "_matcher": None, "_bitmask": None}
+
+    def _matcher_here(self):
+        if self._matcher is None:
+            tokenizer = _ll_tokenizer(self.tokenizer_file, self.eos_token_ids, self.vocab_size)
+            self._matcher = llguidance.LLMatcher(tokenizer, self.grammar)
+            self._bitmask = allocate_token_bitmask(1, self.vocab_size)
+        return self._matcher
+
+    def allowed_tokens(self, vocab_size: int) -> np.ndarray:
+        if vocab_size != self.vocab_size:
+            raise ValueError(
+                f"JsonSchemaConstraint: argument 'vocab_size': expected {self.vocab_size} "
+                f"(the size it was built for), got {vocab_size}"
+            )
+        matcher = self._matcher_here()
+        fill_next_token_bitmask(matcher, self._bitmask)
+        bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
+        return bits[:vocab_size].astype(bool)
+
+    def accept_token(self, token_id: int) -> None:
+        # A token outside the mask puts the matcher in its error state, where it is
+        # stopped: is_finished() then ends the request.
+        self._matcher_here().consume_token(int(token_id))
+
+    def is_finished(self) -> bool:
+        return self._matcher_here().is_stopped()
+
+    @property
+    def error(self) -> str:
+        """The matcher's error ('' when none)."""
+        return "" if self._matcher is None else self._matcher.get_error()

@@ -1,0 +1,200 @@
+"""Request bodies to SamplingParams: every accepted field lands in the params or is
+refused with an ApiError naming it. No server, no engine."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from paddle_step.entrypoints.openai.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from paddle_step.sampling_params import SamplingParams
+
+VOCAB = 100
+
+
+def completion(**fields) -> CompletionRequest:
+    fields.setdefault("prompt", "hi")
+    return CompletionRequest(model="m", **fields)
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    fields.setdefault("messages", [{"role": "user", "content": "hi"}])
+    return ChatCompletionRequest(model="m", **fields)
+
+
+def test_every_sampling_field_reaches_the_params():
+    body = completion(
+        temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, presence_penalty=0.5,
+        frequency_penalty=-0.25, repetition_penalty=1.3, logit_bias={"7": -100, "11": 2.5},
+        min_tokens=3, stop_token_ids=[4, 9], seed=42, n=2, ignore_eos=True,
+    )  # fmt: skip
+    body.check(VOCAB)
+    params = body.sampling_params(12, VOCAB, logprobs=3, prompt_logprobs=2, best_of=4)
+    assert params == SamplingParams(
+        max_tokens=12, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, presence_penalty=0.5,
+        frequency_penalty=-0.25, repetition_penalty=1.3, logit_bias={7: -100.0, 11: 2.5},
+        min_tokens=3, stop_token_ids=[4, 9], eos_token_id=[], seed=42, logprobs=3,
+        prompt_logprobs=2, n=2, best_of=4,
+    )  # fmt: skip
+
+
+def test_defaults_are_openai_defaults():
+    params = completion().sampling_params(16, VOCAB)
+    assert params == SamplingParams(max_tokens=16, temperature=1.0)
+
+
+def test_completion_echo_and_logprobs():
+    body = completion(echo=True, logprobs=2, max_tokens=0)
+    body.check(VOCAB)
+    assert body.prompt_logprobs_asked() == 2
+    assert completion(logprobs=2).prompt_logprobs_asked() is None
+    assert completion(prompt_logprobs=4).prompt_logprobs_asked() == 4
+    assert completion(echo=True, logprobs=1, prompt_logprobs=3).prompt_logprobs_asked() == 3
+
+
+@pytest.mark.parametrize(
+    "prompt,expected",
+    [
+        ("abc", ["abc"]),
+        (["a", "b"], ["a", "b"]),
+        ([1, 2, 3], [[1, 2, 3]]),
+        ([[1, 2], [3]], [[1, 2], [3]]),
+    ],
+)
+def test_batch_prompts(prompt, expected):
+    assert CompletionRequest(model="m", prompt=prompt).prompts() == expected
+
+
+BAD_COMPLETIONS = [
+    ({"temperature": 2.5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"100": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"stop_token_ids": [100]}, "stop_token_ids"),
+    ({"seed": -1}, "seed"),
+    ({"n": 0}, "n"),
+    ({"best_of": 1, "n": 2}, "best_of"),
+    ({"best_of": 3, "stream": True}, "best_of"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"prompt": ["a", ""]}, "prompt"),
+    ({"prompt": [[1]] * 200, "best_of": 2}, "prompt"),
+    ({"stop": [""]}, "stop"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+]
+
+
+@pytest.mark.parametrize("fields,param", BAD_COMPLETIONS, ids=[b[1] for b in BAD_COMPLETIONS])
+def test_bad_completion_fields_are_refused_by_name(fields, param):
+    with pytest.raises(ApiError) as error:
+        body = completion(**fields)
+        body.check(VOCAB)
+        body.stop_strings()
+        body.include_usage()
+    assert error.value.param == param and error.value.status == 400
+    assert f"'{param}'" in error.value.message
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"frobnicate": 1}, {"suffix": "tail"}, {"stream_options": {"continuous": True}},
+     {"response_format": {"type": "xml"}}, {"top_k": 1.5}, {"echo": "yes"}],
+)  # fmt: skip
+def test_unknown_or_unsupported_fields_fail_validation(fields):
+    with pytest.raises(ValidationError):
+        completion(**fields)
+
+
+def test_chat_messages_content_parts_and_null_assistant():
+    body = chat(
+        messages=[
+            {"role": "system", "content": [{"type": "text", "text": "a"},
+                                           {"type": "text", "text": "b"}]},
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": None},
+            {"role": "user", "content": "r", "name": "bob"},
+        ]
+    )  # fmt: skip
+    assert [m.for_template() for m in body.messages] == [
+        {"role": "system", "content": "a\nb"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "r", "name": "bob"},
+    ]
+
+
+@pytest.mark.parametrize(
+    "message",
+    [{"role": "user", "content": None},
+     {"role": "tool", "content": "x", "tool_call_id": "1"},
+     {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}],
+)  # fmt: skip
+def test_chat_messages_refused(message):
+    with pytest.raises(ApiError, match="messages"):
+        chat(messages=[message]).messages[0].for_template()
+
+
+def test_chat_image_part_fails_validation():
+    with pytest.raises(ValidationError):
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+
+
+def test_chat_max_completion_tokens_and_logprobs():
+    body = chat(max_completion_tokens=8, logprobs=True, top_logprobs=3)
+    body.check(VOCAB)
+    assert body.completion_limit() == 8 and body.logprobs_asked() == 3
+    assert chat(max_tokens=5).completion_limit() == 5
+    assert chat(logprobs=True).logprobs_asked() == 0
+    assert chat().logprobs_asked() is None
+
+
+BAD_CHATS = [
+    ({"max_completion_tokens": 8, "max_tokens": 9}, "max_completion_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"n": 1000}, "n"),
+]
+
+
+@pytest.mark.parametrize("fields,param", BAD_CHATS, ids=[b[1] for b in BAD_CHATS])
+def test_bad_chat_fields_are_refused_by_name(fields, param):
+    with pytest.raises(ApiError) as error:
+        chat(**fields).check(VOCAB)
+    assert error.value.param == param and f"'{param}'" in error.value.message
+
+
+def test_chat_tool_fields_accepted_only_empty():
+    chat(tools=[], tool_choice="none", functions=None, parallel_tool_calls=None).check(VOCAB)
+    with pytest.raises(ValidationError):
+        chat(tool_choice="auto")
+
+
+def test_response_format():
+    assert chat(response_format={"type": "text"}).json_schema() is None
+    assert chat(response_format={"type": "json_object"}).json_schema() == {"type": "object"}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    body = chat(
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
+                                                                "strict": True}}
+    )  # fmt: skip
+    assert body.json_schema() == schema
+    with pytest.raises(ApiError, match="schema"):
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}).json_schema()
+    with pytest.raises(ApiError, match="json_schema"):
+        chat(
+            response_format={"type": "json_object", "json_schema": {"schema": schema}}
+        ).json_schema()
