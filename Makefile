@@ -40,6 +40,7 @@ test: build
 bench: build
 	$(PY) benchmarks/bench_ops.py
 	$(PY) benchmarks/bench_decode.py
+	$(PY) benchmarks/bench_cpu_linear.py
 
 # Decode throughput against PaddleFormers' LlamaForCausalLM.generate on the same random
 # Llama-shaped checkpoints. PaddleFormers is heavy and pins older numpy, tokenizers and

@@ -161,6 +161,7 @@ def child(checkpoint: str, weight_format: str, batches: list[int]) -> dict:
     from paddle_step.config import EngineConfig
     from paddle_step.engine.llm_engine import Engine
     from paddle_step.model_loader.loader import load_checkpoint
+    from paddle_step.sampling_params import SamplingParams
 
     paddle.set_device("cpu")
     flag, value = FORMATS[weight_format]
@@ -184,10 +185,10 @@ def child(checkpoint: str, weight_format: str, batches: list[int]) -> dict:
         )
         prompts = rng.integers(0, vocab, (batch, PROMPT_LEN)).tolist()
         engine = Engine(model, config)
-        engine.generate(prompts[:1], max_new_tokens=2)  # warms the row classes up
-        engine.generate(prompts, max_new_tokens=2)
+        engine.generate(prompts[:1], SamplingParams(max_tokens=2))  # warms the row classes up
+        engine.generate(prompts, SamplingParams(max_tokens=2))
         started = time.perf_counter()
-        results = engine.generate(prompts, max_new_tokens=NEW_TOKENS)
+        results = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS))
         elapsed = time.perf_counter() - started
         assert all(len(r.token_ids) == NEW_TOKENS for r in results)
         runs[str(batch)] = {"tokens_per_s": batch * NEW_TOKENS / elapsed, "seconds": elapsed}

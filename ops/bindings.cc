@@ -127,4 +127,6 @@ PYBIND11_MODULE(paddle_step_ops, module) {
   module.def("cpu_linear_isa", &paddle_step::CpuLinearIsa);
   module.def("cpu_linear_best_isa", &paddle_step::CpuLinearBestIsa);
   module.def("cpu_read_sum", &paddle_step::CpuReadSum, pybind11::arg("data"));
+  module.def("cpu_fma_rate", &paddle_step::CpuFmaRate,
+             pybind11::arg("iterations"));
 }

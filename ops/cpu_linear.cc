@@ -1,6 +1,7 @@
 // cpu_linear: validation, packing, the thread pool and instruction-set state of
 // the CPU decode-row product. The kernels are ops/include/cpu_linear_kernel.h;
 // Python reaches these through the pybind11 fast path (bindings.cc).
+#include <chrono>
 #include <cstdlib>
 #include <string>
 #include <thread>
@@ -10,6 +11,7 @@
 #include <sched.h>
 #endif
 
+#include "cpu_fma_peak.h"
 #include "cpu_isa.h"
 #include "cpu_linear_kernel.h"
 #include "cpu_linear_ops.h"
@@ -140,6 +142,10 @@ cpu::WeightFormat FormatOf(const paddle::Tensor& weights) {
   }
 }
 
+// Tasks per thread of a product: threads claim them one at a time, so a thread
+// that gets its core late leaves its share to the others (cpu_thread_pool.h).
+constexpr int kTasksPerThread = 4;
+
 // Panel ranges, one per task: contiguous, as even as whole panels allow.
 int64_t TaskBoundary(int64_t panels, int tasks, int task) {
   return panels * task / tasks;
@@ -259,8 +265,9 @@ paddle::Tensor CpuLinear(const paddle::Tensor& x, const paddle::Tensor& weights,
   problem.y_stride = n;
 
   const cpu::Isa isa = state.isa;
-  const int tasks =
-      static_cast<int>(std::min<int64_t>(state.pool.size(), panels));
+  const int tasks = static_cast<int>(std::min<int64_t>(
+      {int64_t{state.pool.size()} * kTasksPerThread, panels,
+       cpu::ThreadPool::kMaxTasks}));
   state.pool.Run(tasks, [&](int task) {
     cpu::LinearPanels(isa, problem, TaskBoundary(panels, tasks, task),
                       TaskBoundary(panels, tasks, task + 1));
@@ -303,6 +310,26 @@ double CpuReadSum(const paddle::Tensor& data) {
   double total = 0.0;
   for (double sum : sums) total += sum;
   return total;
+}
+
+double CpuFmaRate(int64_t iterations) {
+  kCheck.Positive("iterations", iterations);
+  CpuLinearState& state = State();
+  const int tasks = state.pool.size();
+  std::vector<double> operations(tasks, 0.0);
+  std::vector<float> results(tasks, 0.0f);
+  const auto start = std::chrono::steady_clock::now();
+  state.pool.Run(tasks, [&](int task) {
+    operations[task] = cpu::FmaLoop(state.isa, iterations, &results[task]);
+  });
+  const std::chrono::duration<double> elapsed =
+      std::chrono::steady_clock::now() - start;
+  double total = 0.0;
+  for (int task = 0; task < tasks; ++task) {
+    total += operations[task];
+    if (results[task] != results[task]) return 0.0;  // uses the results
+  }
+  return total / elapsed.count();
 }
 
 }  // namespace paddle_step

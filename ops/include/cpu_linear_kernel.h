@@ -414,42 +414,56 @@ inline void Panels(const LinearProblem& p, int64_t begin, int64_t end) {
 #pragma GCC pop_options
 
 // --------------------------------------------------------------------- AVX2
-// A tile is kAvx2Rows rows of x times one panel (four 8-float vectors): 16
-// registers hold 4 * rows accumulators, the 4 weight vectors and a broadcast.
+// 16 vector registers. A tile is kRows rows of x times kVectors 8-float
+// vectors of one panel, from column `column` of the panel: kRows * kVectors
+// accumulators, kVectors weight vectors and a broadcast must fit. One or two
+// rows take the whole panel (4 vectors: 8 accumulators keep both FMA units
+// busy); more rows take half a panel (2 vectors) at a time, up to 6 rows, so
+// each weight vector loaded serves 6 rows instead of 2 (the second half's
+// lines come from L2: a panel of K <= 8,192 rows fits there).
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace avx2_path {
 
-constexpr int kRows = 2;
+constexpr int kWideRows = 2;    // tiles of 4 vectors: up to 2 rows
+constexpr int kNarrowRows = 6;  // tiles of 2 vectors: up to 6 rows
 
-template <int kTileRows>
+template <int kTileRows, int kVectors>
 struct Accumulators {
-  __m256 sum[kTileRows][4];
+  __m256 sum[kTileRows][kVectors];
 
   PADDLE_STEP_INLINE Accumulators() {
 #pragma GCC unroll 16
     for (int r = 0; r < kTileRows; ++r) {
-      for (int v = 0; v < 4; ++v) sum[r][v] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+      for (int v = 0; v < kVectors; ++v) sum[r][v] = _mm256_setzero_ps();
     }
   }
 
   PADDLE_STEP_INLINE void Add(const float* x, int64_t x_stride, int64_t kk,
-                              const __m256 (&w)[4]) {
+                              const __m256 (&w)[kVectors]) {
 #pragma GCC unroll 16
     for (int r = 0; r < kTileRows; ++r) {
       const __m256 xv = _mm256_broadcast_ss(x + r * x_stride + kk);
 #pragma GCC unroll 4
-      for (int v = 0; v < 4; ++v) {
+      for (int v = 0; v < kVectors; ++v) {
         sum[r][v] = _mm256_fmadd_ps(xv, w[v], sum[r][v]);
       }
     }
   }
 
+  // y, bias: at the tile's first column; width: the real columns from there.
   PADDLE_STEP_INLINE void Store(float* y, int64_t y_stride, const float* bias,
                                 int64_t width) {
+    // Unrolled, so that sum is indexed by constants only: a runtime index
+    // would keep the accumulators in memory, stored on every step of K.
+#pragma GCC unroll 16
     for (int r = 0; r < kTileRows; ++r) {
-      float row[kPanelWidth];
-      for (int v = 0; v < 4; ++v) _mm256_storeu_ps(row + 8 * v, sum[r][v]);
+      float row[8 * kVectors];
+#pragma GCC unroll 4
+      for (int v = 0; v < kVectors; ++v) {
+        _mm256_storeu_ps(row + 8 * v, sum[r][v]);
+      }
       float* out = y + r * y_stride;
       for (int64_t c = 0; c < width; ++c) {
         out[c] = bias ? row[c] + bias[c] : row[c];
@@ -458,22 +472,34 @@ struct Accumulators {
   }
 };
 
-template <int kTileRows>
-void TileFloat32(const LinearProblem& p, int64_t panel, int64_t row) {
+// Writes the tile of rows [row, row + kTileRows) and panel columns
+// [column, column + 8 * kVectors).
+template <int kTileRows, int kVectors>
+PADDLE_STEP_INLINE void StoreTile(const LinearProblem& p, int64_t panel,
+                                  int64_t row, int64_t column,
+                                  Accumulators<kTileRows, kVectors>& acc) {
+  const int64_t first = panel * kPanelWidth + column;
+  acc.Store(p.y + row * p.y_stride + first, p.y_stride,
+            p.bias ? p.bias + first : nullptr,
+            std::min<int64_t>(8 * kVectors, p.w.n - first));
+}
+
+template <int kTileRows, int kVectors>
+void TileFloat32(const LinearProblem& p, int64_t panel, int64_t row,
+                 int64_t column) {
   const int64_t k = p.w.k;
   const float* w = static_cast<const float*>(p.w.data) +
-                   panel * PanelElements(WeightFormat::kFloat32, k);
+                   panel * PanelElements(WeightFormat::kFloat32, k) + column;
   const float* x = p.x + row * p.x_stride;
-  Accumulators<kTileRows> acc;
+  Accumulators<kTileRows, kVectors> acc;
   for (int64_t kk = 0; kk < k; ++kk) {
     const float* in = w + kk * kPanelWidth;
-    const __m256 v[4] = {_mm256_loadu_ps(in), _mm256_loadu_ps(in + 8),
-                         _mm256_loadu_ps(in + 16), _mm256_loadu_ps(in + 24)};
+    __m256 v[kVectors];
+#pragma GCC unroll 4
+    for (int i = 0; i < kVectors; ++i) v[i] = _mm256_loadu_ps(in + 8 * i);
     acc.Add(x, p.x_stride, kk, v);
   }
-  const int64_t first = panel * kPanelWidth;
-  acc.Store(p.y + row * p.y_stride + first, p.y_stride,
-            p.bias ? p.bias + first : nullptr, std::min(kPanelWidth, p.w.n - first));
+  StoreTile(p, panel, row, column, acc);
 }
 
 PADDLE_STEP_INLINE __m256 EvenRow(__m256i pairs) {
@@ -484,32 +510,36 @@ PADDLE_STEP_INLINE __m256 OddRow(__m256i pairs) {
       pairs, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-template <int kTileRows>
-void TileBFloat16(const LinearProblem& p, int64_t panel, int64_t row) {
+template <int kTileRows, int kVectors>
+void TileBFloat16(const LinearProblem& p, int64_t panel, int64_t row,
+                  int64_t column) {
   const int64_t k = p.w.k;
+  // A pair row holds 2 values per column: column c starts at element 2c.
   const uint16_t* w = static_cast<const uint16_t*>(p.w.data) +
-                      panel * PanelElements(WeightFormat::kBFloat16, k);
+                      panel * PanelElements(WeightFormat::kBFloat16, k) +
+                      2 * column;
   const float* x = p.x + row * p.x_stride;
-  Accumulators<kTileRows> acc;
+  Accumulators<kTileRows, kVectors> acc;
   const int64_t pairs = PanelRows(WeightFormat::kBFloat16, k);
   for (int64_t s = 0; s < pairs; ++s) {
     const __m256i* in =
         reinterpret_cast<const __m256i*>(w + s * 2 * kPanelWidth);
-    const __m256i q[4] = {_mm256_loadu_si256(in), _mm256_loadu_si256(in + 1),
-                          _mm256_loadu_si256(in + 2),
-                          _mm256_loadu_si256(in + 3)};
-    const __m256 even[4] = {EvenRow(q[0]), EvenRow(q[1]), EvenRow(q[2]),
-                            EvenRow(q[3])};
+    __m256i q[kVectors];
+    __m256 even[kVectors];
+#pragma GCC unroll 4
+    for (int i = 0; i < kVectors; ++i) {
+      q[i] = _mm256_loadu_si256(in + i);
+      even[i] = EvenRow(q[i]);
+    }
     acc.Add(x, p.x_stride, 2 * s, even);
     if (2 * s + 1 < k) {  // else padding, and x has no column k
-      const __m256 odd[4] = {OddRow(q[0]), OddRow(q[1]), OddRow(q[2]),
-                             OddRow(q[3])};
+      __m256 odd[kVectors];
+#pragma GCC unroll 4
+      for (int i = 0; i < kVectors; ++i) odd[i] = OddRow(q[i]);
       acc.Add(x, p.x_stride, 2 * s + 1, odd);
     }
   }
-  const int64_t first = panel * kPanelWidth;
-  acc.Store(p.y + row * p.y_stride + first, p.y_stride,
-            p.bias ? p.bias + first : nullptr, std::min(kPanelWidth, p.w.n - first));
+  StoreTile(p, panel, row, column, acc);
 }
 
 PADDLE_STEP_INLINE __m256 WidenInt8(const int8_t* q, __m256 scale) {
@@ -518,50 +548,74 @@ PADDLE_STEP_INLINE __m256 WidenInt8(const int8_t* q, __m256 scale) {
   return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), scale);
 }
 
-template <int kTileRows>
-void TileInt8(const LinearProblem& p, int64_t panel, int64_t row) {
+template <int kTileRows, int kVectors>
+void TileInt8(const LinearProblem& p, int64_t panel, int64_t row,
+              int64_t column) {
   const int64_t k = p.w.k;
   const int64_t group_size = p.w.group_size;
   const int64_t groups = GroupCount(k, group_size);
   const int8_t* w = static_cast<const int8_t*>(p.w.data) +
-                    panel * PanelElements(WeightFormat::kInt8, k);
-  const float* scales = p.w.scales + panel * groups * kPanelWidth;
+                    panel * PanelElements(WeightFormat::kInt8, k) + column;
+  const float* scales = p.w.scales + panel * groups * kPanelWidth + column;
   const float* x = p.x + row * p.x_stride;
-  Accumulators<kTileRows> acc;
+  Accumulators<kTileRows, kVectors> acc;
   for (int64_t g = 0; g < groups; ++g) {
     const float* s = scales + g * kPanelWidth;
-    const __m256 scale[4] = {_mm256_loadu_ps(s), _mm256_loadu_ps(s + 8),
-                             _mm256_loadu_ps(s + 16), _mm256_loadu_ps(s + 24)};
+    __m256 scale[kVectors];
+#pragma GCC unroll 4
+    for (int i = 0; i < kVectors; ++i) scale[i] = _mm256_loadu_ps(s + 8 * i);
     const int64_t row_end = std::min(k, (g + 1) * group_size);
     for (int64_t kk = g * group_size; kk < row_end; ++kk) {
       const int8_t* in = w + kk * kPanelWidth;
-      const __m256 v[4] = {WidenInt8(in, scale[0]), WidenInt8(in + 8, scale[1]),
-                           WidenInt8(in + 16, scale[2]),
-                           WidenInt8(in + 24, scale[3])};
+      __m256 v[kVectors];
+#pragma GCC unroll 4
+      for (int i = 0; i < kVectors; ++i) v[i] = WidenInt8(in + 8 * i, scale[i]);
       acc.Add(x, p.x_stride, kk, v);
     }
   }
-  const int64_t first = panel * kPanelWidth;
-  acc.Store(p.y + row * p.y_stride + first, p.y_stride,
-            p.bias ? p.bias + first : nullptr, std::min(kPanelWidth, p.w.n - first));
+  StoreTile(p, panel, row, column, acc);
 }
 
-using TileFunction = void (*)(const LinearProblem&, int64_t, int64_t);
+using TileFunction = void (*)(const LinearProblem&, int64_t, int64_t, int64_t);
+
+#define PADDLE_STEP_AVX2_TABLES(name)                                      \
+  inline const TileFunction* name##Wide() {                                \
+    static constexpr TileFunction table[kWideRows + 1] = {                 \
+        nullptr, name<1, 4>, name<2, 4>};                                  \
+    return table;                                                          \
+  }                                                                        \
+  inline const TileFunction* name##Narrow() {                              \
+    static constexpr TileFunction table[kNarrowRows + 1] = {               \
+        nullptr,      name<1, 2>, name<2, 2>, name<3, 2>,                  \
+        name<4, 2>,   name<5, 2>, name<6, 2>};                             \
+    return table;                                                          \
+  }
+PADDLE_STEP_AVX2_TABLES(TileFloat32)
+PADDLE_STEP_AVX2_TABLES(TileBFloat16)
+PADDLE_STEP_AVX2_TABLES(TileInt8)
+#undef PADDLE_STEP_AVX2_TABLES
 
 inline void Panels(const LinearProblem& p, int64_t begin, int64_t end) {
-  static constexpr TileFunction kFloat32[kRows + 1] = {
-      nullptr, TileFloat32<1>, TileFloat32<2>};
-  static constexpr TileFunction kBFloat16[kRows + 1] = {
-      nullptr, TileBFloat16<1>, TileBFloat16<2>};
-  static constexpr TileFunction kInt8[kRows + 1] = {nullptr, TileInt8<1>,
-                                                    TileInt8<2>};
-  const TileFunction* tiles = p.w.format == WeightFormat::kFloat32 ? kFloat32
-                              : p.w.format == WeightFormat::kBFloat16
-                                  ? kBFloat16
-                                  : kInt8;
+  const bool f32 = p.w.format == WeightFormat::kFloat32;
+  const bool bf16 = p.w.format == WeightFormat::kBFloat16;
+  if (p.m <= kWideRows) {
+    const TileFunction* tiles = f32    ? TileFloat32Wide()
+                                : bf16 ? TileBFloat16Wide()
+                                       : TileInt8Wide();
+    for (int64_t panel = begin; panel < end; ++panel) {
+      tiles[p.m](p, panel, 0, 0);
+    }
+    return;
+  }
+  const TileFunction* tiles = f32    ? TileFloat32Narrow()
+                              : bf16 ? TileBFloat16Narrow()
+                                     : TileInt8Narrow();
   for (int64_t panel = begin; panel < end; ++panel) {
-    for (int64_t row = 0; row < p.m; row += kRows) {
-      tiles[std::min<int64_t>(kRows, p.m - row)](p, panel, row);
+    for (int64_t column = 0; column < kPanelWidth; column += 16) {
+      if (panel * kPanelWidth + column >= p.w.n) break;  // all padding
+      for (int64_t row = 0; row < p.m; row += kNarrowRows) {
+        tiles[std::min<int64_t>(kNarrowRows, p.m - row)](p, panel, row, column);
+      }
     }
   }
 }

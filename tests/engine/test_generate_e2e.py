@@ -209,6 +209,16 @@ def test_example_on_a_checkpoint_prints_text_and_stops_on_eos(tmp_path):
     assert len(ignored["requests"][0]["token_ids"]) == 40
 
 
+def test_example_chat_on_the_shipped_model_uses_its_template():
+    """--chat wraps the prompt in the shipped model's chat template: the prompt ids are
+    longer than the bare prompt's and generation runs."""
+    bare = run_example("--prompt", "What is a list?", "--max-new-tokens", "4", "--json")
+    chat = run_example("--prompt", "What is a list?", "--max-new-tokens", "4", "--json", "--chat")
+    bare_ids, chat_ids = bare["requests"][0]["prompt_ids"], chat["requests"][0]["prompt_ids"]
+    assert len(chat_ids) > len(bare_ids) and chat_ids != bare_ids
+    assert 1 <= len(chat["requests"][0]["token_ids"]) <= 4
+
+
 def test_example_reduces_max_model_len_to_the_kv_budget():
     completed = subprocess.run(
         [sys.executable, str(REPO / "examples" / "generate.py"), "--prompt", "A list is",
@@ -223,7 +233,8 @@ def test_example_reduces_max_model_len_to_the_kv_budget():
     "args,message",
     [
         (("--model", "/nonexistent/checkpoint"), "expected a directory"),
-        (("--chat",), "chat template"),
+        # The golden checkpoint's tokenizer_config.json has no chat template.
+        (("--model", str(GOLDEN_LLAMA), "--chat"), "chat template"),
         (("--max-model-len", "100000"), "expected at most the model's context (256)"),
         (("--prompt", "word " * 300), "expected <= max_model_len (256)"),
     ],

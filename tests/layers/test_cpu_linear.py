@@ -24,9 +24,10 @@ ISA_RANK = {name: rank for rank, name in enumerate(ISA_PATHS)}
 FORMATS = (("float32", None), ("bfloat16", None), ("int8", None), ("int8", 32))
 UNIT_ROUNDOFF = 2.0**-24
 
-# (M, K, N): K and N off the vector widths (8, 16) and the panel width (32), every M of the
-# issue, and one full-width MLP product.
-ROWS = (1, 3, 7, 8, 9, 17, 32, 33, 64)
+# (M, K, N): K and N off the vector widths (8, 16) and the panel width (32), row counts
+# around every tile height (AVX-512: 8; AVX2: 2 on a whole panel, 6 on half panels) up to 64,
+# and one full-width MLP product.
+ROWS = (1, 2, 3, 5, 6, 7, 8, 9, 13, 17, 32, 33, 64)
 SHAPES = (
     [(m, 13, 17) for m in ROWS]
     + [(m, 100, 15) for m in ROWS]
@@ -166,6 +167,44 @@ def test_column_shard_equals_slice_of_full_product(weight_format, group_size):
     for begin, end in ((0, 150), (150, 300), (37, 101)):
         shard = cpu_linear.pack(w[:, begin:end], weight_format, group_size)
         np.testing.assert_array_equal(cpu_linear.linear(x, shard).numpy(), full[:, begin:end])
+
+
+@pytest.mark.parametrize("weight_format, group_size", FORMATS)
+def test_row_shards_sum_to_the_product(isa_path, weight_format, group_size):
+    """Tensor-parallel row shards (a slice of K each, packed on its own) give partial
+    products whose sum is the whole product within the float32 bound."""
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((200, 45)).astype(np.float32)
+    x = rng.standard_normal((9, 200)).astype(np.float32)
+    total = np.zeros((9, 45), np.float64)
+    weights = []
+    for begin, end in ((0, 67), (67, 131), (131, 200)):
+        shard = w[begin:end]
+        packed = cpu_linear.pack(shard, weight_format, group_size)
+        part = cpu_linear.linear(paddle.to_tensor(x[:, begin:end].copy()), packed).numpy()
+        total += part
+        weights.append(effective_weights(shard, weight_format, group_size))
+    reference, bound = reference_and_bound(x, np.concatenate(weights), None)
+    check_within(total, reference, bound)
+
+
+def test_read_sum_and_fma_rate():
+    """The benchmark's probes: the sum of an array on every thread, and a positive
+    multiply-add rate on every path."""
+    import paddle_step_ops
+
+    values = np.random.default_rng(8).random(100_003).astype(np.float32)
+    threads = cpu_linear.num_threads()
+    try:
+        for count in (1, 3):
+            cpu_linear.set_num_threads(count)
+            total = paddle_step_ops.cpu_read_sum(paddle.to_tensor(values))
+            assert abs(total - values.astype(np.float64).sum()) <= 1e-4 * values.sum()
+            assert paddle_step_ops.cpu_fma_rate(1000) > 0
+    finally:
+        cpu_linear.set_num_threads(threads)
+    with pytest.raises(ValueError, match="argument 'iterations': expected a positive integer"):
+        paddle_step_ops.cpu_fma_rate(0)
 
 
 def test_packed_layouts():

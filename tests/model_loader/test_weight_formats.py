@@ -18,6 +18,7 @@ from paddle_step.errors import CheckpointError
 from paddle_step.layers import cpu_linear
 from paddle_step.model_loader.loader import load_checkpoint
 from paddle_step.models.llama import LlamaForCausalLM
+from paddle_step.sampling_params import SamplingParams
 from paddle_step.testing.perplexity import perplexity
 from paddle_step.testing.weight_formats import bfloat16_values, int8_values, write_bfloat16_copy
 
@@ -110,12 +111,12 @@ def test_model_computes_the_float64_model_of_its_weights(name, weight_format) ->
 def test_engine_matches_naive_decode_under_preemption(weight_format) -> None:
     model = load(DATA / "qwen2-tiny", weight_format).model
     prompts = [e["prompt_ids"] for e in golden_prompts("qwen2-tiny")]
-    expected, _ = generate_naive(model, prompts, 40)
+    expected, _ = generate_naive(model, prompts, SamplingParams(max_tokens=40))
     config = EngineConfig(
         max_batch=6, max_model_len=56, block_size=4, num_kv_blocks=70, decoder_pool_ratio=0.2
     )
     engine = Engine(model, config)
-    results = engine.generate(prompts, max_new_tokens=40)
+    results = engine.generate(prompts, SamplingParams(max_tokens=40))
     assert [r.token_ids for r in results] == [r.token_ids for r in expected]
     assert engine.stats.preemptions > 0
 

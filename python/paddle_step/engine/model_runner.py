@@ -128,7 +128,9 @@ class ModelRunner:
     def forward(
         self, logit_rows: list[tuple[int, int, int]]
     ) -> tuple[paddle.Tensor, paddle.Tensor | None]:
-        """Logits [B, vocab] of every running slot's last token this step; and, for each
+        """Logits [B, vocab] of every running slot's last token this step (zeros for the
+        slots that run no token: only the slots with one go through the LM head, so at
+        B = 8 with one request running it multiplies one row, not eight); and, for each
         ``(slot, back, count)`` of ``logit_rows``, those of ``count`` tokens of that row
         starting ``back`` tokens before its last one (prompt logprobs), concatenated in
         that order ([sum(count), vocab]; None without any).
@@ -151,15 +153,21 @@ class ModelRunner:
             ("slot_mapping", state.slot_mapping),
         ):
             batch[key] = paddle.where(is_decode, paddle.gather(prepared, rows), batch[key])
-        if not logit_rows:
-            return self.model.forward_paged(**batch, kv_cache=self.kv_cache), None
-        last = batch["last_token_index"].numpy()
-        index = np.concatenate(
-            [np.arange(count) + last[slot] - back for slot, back, count in logit_rows]
-        )
-        return self.model.forward_paged(
-            **batch, kv_cache=self.kv_cache, extra_index=paddle.to_tensor(index)
-        )
+        last = batch["last_token_index"]
+        slots = paddle.nonzero(last >= 0).reshape([-1])
+        batch["last_token_index"] = paddle.gather(last, slots)
+        extra = None
+        if logit_rows:
+            last = last.numpy()
+            index = np.concatenate(
+                [np.arange(count) + last[slot] - back for slot, back, count in logit_rows]
+            )
+            batch["extra_index"] = paddle.to_tensor(index)
+        outputs = self.model.forward_paged(**batch, kv_cache=self.kv_cache)
+        if logit_rows:
+            outputs, extra = outputs
+        logits = paddle.zeros([self.config.max_batch, outputs.shape[1]], dtype=outputs.dtype)
+        return paddle.scatter(logits, slots, outputs), extra
 
     def uniforms(self, sampling_keys: np.ndarray, token_index: np.ndarray) -> paddle.Tensor:
         """This step's random draw per slot, keyed by its request's key and token index."""

@@ -271,7 +271,7 @@ class Scheduler:
             hits = allocator.cached_prefix(
                 request.block_hashes[: cacheable_blocks(prompt_len, config.block_size)]
             )
-            if request.params.prompt_logprobs is not None:
+            if request.params.prompt_logprobs is not None and request.index == 0:
                 hits = []  # its prompt logprobs need the logits of every position
             fresh = config.encoder_blocks_for(prompt_len) - len(hits)
             reclaimed = sum(allocator.ref_count(block) == 0 for block in hits)

@@ -445,8 +445,9 @@ class LlamaForCausalLM(nn.Layer):
             positions: [T] int64 absolute position of each token in its sequence.
             slot_mapping: [T] int64 cache slot for each token's K/V; -1 writes nothing.
             token_rows: [T] int64 block-table row each token belongs to.
-            last_token_index: [B] int64 flat index of each row's last token, -1 for a row
-                with no token this step.
+            last_token_index: [R] int64 flat index of the last token of each row whose
+                logits are wanted (B rows, or only the rows sampled this step), -1 for a
+                row with no token this step.
             block_tables: [B, M] int32/int64 block ids of each row's sequence, -1 unused.
             max_context_len: at least the largest ``position + 1`` in the step; decode
                 tokens look their keys up for positions ``0 .. max_context_len - 1``.
@@ -456,7 +457,8 @@ class LlamaForCausalLM(nn.Layer):
         Tokens of a row starting at position 0 (a prefill) use the step's own K/V; the others
         read theirs back from the cache (so earlier steps' K/V must be there): once per row
         for a row of several tokens (a prompt chunk), once per token for a decode row. Returns
-        logits [B, vocab] of each row's last token; rows without a token get zeros. With
+        logits [R, vocab] of the tokens ``last_token_index`` names; -1 gets zeros (the LM
+        head runs on every index given: pass only the rows that sample). With
         ``extra_index`` ([N] int64 flat token indices), also the logits [N, vocab] of those
         tokens (prompt logprobs), as a pair.
         """
@@ -539,10 +541,11 @@ class LlamaForCausalLM(nn.Layer):
             return attend
 
         hidden = self._run_layers(input_ids, positions, paged_attention_for)
-        has_token = (last_token_index >= 0).unsqueeze(1)
         last_hidden = paddle.gather(hidden, paddle.clip(last_token_index, min=0))
         logits = self._logits(last_hidden)
-        logits = paddle.where(has_token, logits, paddle.zeros_like(logits))
+        no_token = last_token_index < 0
+        if bool(no_token.any()):  # [R, vocab] of zeros and a select: only when asked for
+            logits = paddle.where(no_token.unsqueeze(1), paddle.zeros_like(logits), logits)
         if extra_index is None:
             return logits
         return logits, self._logits(paddle.gather(hidden, extra_index))

@@ -27,18 +27,25 @@ STREAMS, WHOLES = 8, 2
 END_WITHIN_S = 3.0
 
 
-def request_body(stream: bool) -> dict:
+# Long enough to be running when a fault comes; the drain test runs its requests to their
+# end, so it asks for fewer (a loaded machine decodes 10 rows at a few steps a second).
+LONG_TOKENS, DRAINED_TOKENS = 240, 40
+
+
+def request_body(stream: bool, max_tokens: int = LONG_TOKENS) -> dict:
     return {
         "model": "pydoc-tiny",
         "prompt": "A list is",
-        "max_tokens": 240,
+        "max_tokens": max_tokens,
         "ignore_eos": True,
         "temperature": 0,
         "stream": stream,
     }
 
 
-async def in_flight_then(url: str, fault, settle: bool) -> tuple[list, list, float]:
+async def in_flight_then(
+    url: str, fault, settle: bool, max_tokens: int = LONG_TOKENS
+) -> tuple[list, list, float]:
     """Starts ``STREAMS`` streaming and ``WHOLES`` whole completions, waits until every
     stream has a first chunk (and, with ``settle``, until the engine runs all of them),
     then calls ``fault()``. Returns each stream's data lines with the time it ended, each
@@ -48,7 +55,7 @@ async def in_flight_then(url: str, fault, settle: bool) -> tuple[list, list, flo
     async def stream(client: httpx.AsyncClient, index: int):
         lines = []
         async with client.stream(
-            "POST", f"{url}/v1/completions", json=request_body(True)
+            "POST", f"{url}/v1/completions", json=request_body(True, max_tokens)
         ) as response:
             assert response.status_code == 200
             async for line in response.aiter_lines():
@@ -58,7 +65,7 @@ async def in_flight_then(url: str, fault, settle: bool) -> tuple[list, list, flo
         return lines, time.monotonic()
 
     async def whole(client: httpx.AsyncClient):
-        response = await client.post(f"{url}/v1/completions", json=request_body(False))
+        response = await client.post(f"{url}/v1/completions", json=request_body(False, max_tokens))
         return response, time.monotonic()
 
     async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=32)) as client:
@@ -168,14 +175,19 @@ def test_sigterm_lets_running_requests_finish_then_exits_leaving_no_process():
         children = descendants(server.process.pid)
         assert engine_pid_of(server) in children
         streams, wholes, _sent_at = asyncio.run(
-            in_flight_then(server.url, lambda: server.process.send_signal(signal.SIGTERM), True)
+            in_flight_then(
+                server.url,
+                lambda: server.process.send_signal(signal.SIGTERM),
+                settle=True,
+                max_tokens=DRAINED_TOKENS,
+            )
         )
         for lines, _ended_at in streams:  # every stream ran to its length
             assert lines[-1] == "[DONE]"
             assert json.loads(lines[-2])["choices"][0]["finish_reason"] == "length", lines[-2]
         for response, _ended_at in wholes:
             assert response.status_code == 200, response.text
-            assert response.json()["usage"]["completion_tokens"] == 240
+            assert response.json()["usage"]["completion_tokens"] == DRAINED_TOKENS
         # uvicorn ends a SIGTERM'd process by the same signal once it has shut down.
         assert server.process.wait(60) in (0, -signal.SIGTERM)
         with pytest.raises(httpx.TransportError):

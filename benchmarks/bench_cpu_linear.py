@@ -1,0 +1,300 @@
+#!/usr/bin/env python
+"""The CPU op for decode-row products (``paddle_step.layers.cpu_linear``) against the
+machine's own limits and against Paddle's eager ``paddle.matmul``.
+
+The machine, on 1 thread and on every core the process may run on:
+
+- read bandwidth: the sum of a float32 array far larger than the last-level cache
+  (``cpu_read_sum``: vector loads on the op's threads), median of the repeats;
+- matmul peak: float32 multiply-adds on registers only (``cpu_fma_rate``: 12 independent
+  chains on the op's widest vectors), the best of 40 short samples; a multiply-add
+  counts 2.
+
+The products, float32, ``y = x @ W`` for M = 1, 8, 32 rows, at Qwen2.5-0.5B's dimensions:
+
+- ``mlp_up``: [M, 896] x [896, 4864] (17.4 MB of weights), cycling through enough copies
+  that every call reads its weights from memory, not from the last-level cache;
+- ``layer``: one decoder layer's four products in sequence (fused q/k/v [896, 1152], output
+  [896, 896], fused gate/up [896, 9728], down [4864, 896]: 59.6 MB), cycling through copies;
+- ``lm_head``: the tied LM head [M, 896] x [896, 151936] (545 MB).
+
+Each is timed as our op (weights packed once), as ``paddle.matmul`` on the same threads,
+and as a plain read of the same packed weights (``cpu_read_sum``), the three interleaved
+call by call (a machine shared with other jobs changes its bandwidth from one second to
+the next): the median of the repeats, in ms. Weight GB/s = weight bytes / time;
+% bandwidth = the read's time over the op's (the share of the bandwidth the op got from
+the same bytes at the same moments); GFLOP/s = 2 M K N / time; % peak = that over the
+matmul peak of the same thread count. The targets: M <= 8 at >= 80% of the bandwidth,
+M = 32 at >= 50% of the peak.
+
+Usage: bench_cpu_linear.py [--quick] [--json] [--threads 1,2] [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+
+import zlib  # noqa: F401,E402  isort: skip  (see tests/conftest.py)
+
+import numpy as np  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*ccache.*")
+import paddle  # noqa: E402
+from paddle.base import core  # noqa: E402
+
+import paddle_step_ops as _library  # noqa: E402
+from paddle_step.engine.cpu_threads import available_cores  # noqa: E402
+from paddle_step.layers import cpu_linear  # noqa: E402
+
+ROWS = (1, 8, 32)
+HIDDEN, INTERMEDIATE, QKV, VOCAB = 896, 4864, 1152, 151936
+BANDWIDTH_TARGET = 0.80  # M <= 8: share of the read bandwidth
+PEAK_TARGET = 0.50  # M = 32: share of the matmul peak
+# A peak sample: ~5 ms of multiply-adds per thread at 100 GFLOP/s; the best of many short
+# samples is the one least disturbed by other jobs on the machine.
+FMA_ITERATIONS = 1_000_000
+FMA_SAMPLES = 40
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def last_level_cache_bytes() -> int:
+    """The largest cache the OS reports (sysfs), or 32 MiB when it reports none."""
+    sizes = []
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    for entry in os.listdir(base) if os.path.isdir(base) else []:
+        try:
+            with open(os.path.join(base, entry, "size")) as size:
+                text = size.read().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=32 << 20)
+
+
+def set_threads(threads: int) -> None:
+    core.set_num_threads(threads)
+    cpu_linear.set_num_threads(threads)
+
+
+def median_seconds(call, repeats: int) -> float:
+    return interleaved_medians({"call": call}, repeats)["call"]
+
+
+def interleaved_medians(calls: dict, repeats: int) -> dict:
+    """The median time of each call, the calls taking turns (after one warm-up each)."""
+    for call in calls.values():
+        call()
+    times = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            started = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def machine_limits(threads: int, read_mib: int, repeats: int) -> dict:
+    set_threads(threads)
+    data = paddle.ones([read_mib << 18], dtype="float32")
+    seconds = median_seconds(lambda: _library.cpu_read_sum(data), repeats)
+    samples = FMA_SAMPLES if repeats > 3 else 10
+    peak = max(_library.cpu_fma_rate(FMA_ITERATIONS) for _ in range(samples))
+    return {"read_gb_s": (read_mib << 20) / seconds / 1e9, "peak_gflop_s": peak / 1e9}
+
+
+class Product:
+    """Copies of one product's weights (a list of [K, N] shapes run in sequence), as
+    paddle tensors and packed for the op."""
+
+    def __init__(self, name: str, shapes: list[tuple[int, int]], copies: int, seed: int):
+        rng = np.random.default_rng(seed)
+        self.name, self.shapes = name, shapes
+        self.tensors = [
+            [
+                paddle.to_tensor(rng.standard_normal((k, n), dtype=np.float32) / np.float32(k**0.5))
+                for k, n in shapes
+            ]
+            for _ in range(copies)
+        ]
+        self.packed = [[cpu_linear.pack_float32(w) for w in ws] for ws in self.tensors]
+        self.weight_bytes = 4 * sum(k * n for k, n in shapes)
+        self.flops_per_row = 2 * sum(k * n for k, n in shapes)
+
+    def timer(self, way: str, rows: int):
+        """A call that runs the products (``op``, ``eager``) or reads the packed weights
+        (``read``) of the next copy."""
+        inputs = {k: paddle.rand([rows, k], dtype="float32") for k, _ in self.shapes}
+        state = {"copy": 0}
+
+        def next_copy(weights):
+            state["copy"] += 1
+            return weights[state["copy"] % len(weights)]
+
+        def op():
+            for (k, _), w in zip(self.shapes, next_copy(self.packed)):
+                cpu_linear.linear(inputs[k], w)
+
+        def eager():
+            for (k, _), w in zip(self.shapes, next_copy(self.tensors)):
+                paddle.matmul(inputs[k], w)
+
+        def read():
+            for w in next_copy(self.packed):
+                _library.cpu_read_sum(w.weights)
+
+        return {"op": op, "eager": eager, "read": read}[way]
+
+
+def copies_beyond(cache_bytes: int, weight_bytes: int) -> int:
+    """Copies whose weights together are at least twice the last-level cache."""
+    return max(2, -(-2 * cache_bytes // weight_bytes) + 1)
+
+
+def measure(args) -> dict:
+    llc = last_level_cache_bytes()
+    vocab = 16384 if args.quick else VOCAB
+    intermediate = 1024 if args.quick else INTERMEDIATE
+    read_mib = 64 if args.quick else 512
+    mlp = [(HIDDEN, intermediate)]
+    layer = [(HIDDEN, QKV), (HIDDEN, HIDDEN), (HIDDEN, 2 * intermediate), (intermediate, HIDDEN)]
+    products = []
+    for seed, (name, shapes) in enumerate(
+        (("mlp_up", mlp), ("layer", layer), ("lm_head", [(HIDDEN, vocab)]))
+    ):
+        bytes_ = 4 * sum(k * n for k, n in shapes)
+        copies = 1 if name == "lm_head" and not args.quick else copies_beyond(llc, bytes_)
+        products.append(Product(name, shapes, copies, seed))
+
+    limits, results = {}, []
+    for threads in args.threads:
+        limits[threads] = machine_limits(threads, read_mib, args.repeats)
+        for product in products:
+            for rows in args.rows:
+                repeats = max(3, args.repeats // 2) if product.name == "lm_head" else args.repeats
+                row = {"threads": threads, "product": product.name, "M": rows}
+                ways = ("op", "eager", "read")
+                medians = interleaved_medians(
+                    {way: product.timer(way, rows) for way in ways}, repeats
+                )
+                row["read_ms"] = medians["read"] * 1e3
+                for way in ("op", "eager"):
+                    seconds = medians[way]
+                    gflop_s = rows * product.flops_per_row / seconds / 1e9
+                    row[way] = {
+                        "ms": seconds * 1e3,
+                        "weight_gb_s": product.weight_bytes / seconds / 1e9,
+                        "bandwidth_share": medians["read"] / seconds,
+                        "gflop_s": gflop_s,
+                        "peak_share": gflop_s / limits[threads]["peak_gflop_s"],
+                    }
+                row["eager_over_op"] = row["eager"]["ms"] / row["op"]["ms"]
+                if rows <= 8:
+                    row["target"] = f">= {BANDWIDTH_TARGET:.0%} of bandwidth"
+                    row["met"] = row["op"]["bandwidth_share"] >= BANDWIDTH_TARGET
+                elif rows == 32:
+                    row["target"] = f">= {PEAK_TARGET:.0%} of peak"
+                    row["met"] = row["op"]["peak_share"] >= PEAK_TARGET
+                results.append(row)
+    return {
+        "env": {
+            "cpu": cpu_model(),
+            "isa": cpu_linear.isa(),
+            "cores": available_cores(),
+            "last_level_cache_mib": llc / (1 << 20),
+            "paddle": paddle.__version__,
+            "python": sys.version.split()[0],
+        },
+        "config": {
+            "threads": args.threads,
+            "rows": args.rows,
+            "repeats": args.repeats,
+            "quick": args.quick,
+            "products": {
+                p.name: {
+                    "shapes": p.shapes,
+                    "copies": len(p.tensors),
+                    "weight_mb": p.weight_bytes / 1e6,
+                }
+                for p in products
+            },
+        },  # fmt: skip
+        "machine": {str(t): v for t, v in limits.items()},
+        "results": results,
+    }
+
+
+def print_report(report: dict) -> None:
+    env = report["env"]
+    llc = env["last_level_cache_mib"]
+    print(f"CPU: {env['cpu']} ({env['cores']} cores, path {env['isa']}, "
+          f"last-level cache {llc:.0f} MiB), paddle {env['paddle']}")  # fmt: skip
+    for threads, limits in report["machine"].items():
+        print(f"{threads} thread(s): read bandwidth {limits['read_gb_s']:.1f} GB/s, "
+              f"matmul peak {limits['peak_gflop_s']:.1f} GFLOP/s")  # fmt: skip
+    for name, product in report["config"]["products"].items():
+        print(f"{name}: {product['shapes']}, {product['weight_mb']:.1f} MB, "
+              f"{product['copies']} copies")  # fmt: skip
+    print()
+    print("| threads | product | M | op ms | eager ms | eager/op | read ms | op GB/s "
+          "| % bandwidth | op GFLOP/s | % peak | target |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in report["results"]:
+        op = row["op"]
+        target = ""
+        if "target" in row:
+            target = f"{row['target']}: {'met' if row['met'] else 'SHORT'}"
+        print(f"| {row['threads']} | {row['product']} | {row['M']} | {op['ms']:.3f} | "
+              f"{row['eager']['ms']:.3f} | {row['eager_over_op']:.2f}x | {row['read_ms']:.3f} | "
+              f"{op['weight_gb_s']:.1f} | {op['bandwidth_share']:.0%} | {op['gflop_s']:.1f} | "
+              f"{op['peak_share']:.0%} | {target} |")  # fmt: skip
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small products, few repeats")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--threads", default=None, help="thread counts, e.g. 1,2 "
+                        "(default: 1 and every core)")  # fmt: skip
+    parser.add_argument("--rows", default=None, help="row counts (default 1,8,32)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per figure")
+    args = parser.parse_args(argv)
+    cores = available_cores()
+    args.threads = (
+        sorted({1, cores}) if args.threads is None else [int(t) for t in args.threads.split(",")]
+    )
+    args.rows = list(ROWS) if args.rows is None else [int(r) for r in args.rows.split(",")]
+    if args.repeats is None:
+        args.repeats = 3 if args.quick else 15
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    report = measure(args)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_report(report)
+    return report
+
+
+if __name__ == "__main__":
+    main()

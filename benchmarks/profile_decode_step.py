@@ -1,0 +1,172 @@
+#!/usr/bin/env python
+"""Where each millisecond of a decode step goes, on a Hugging Face checkpoint (for example
+the Qwen2.5-0.5B shape that ``make_random_llama.py`` writes).
+
+B requests with 64-token prompts (token ids drawn from a seeded generator) run greedy in
+B slots; after the prefill and a few decode steps, ``--steps`` decode steps are timed, each
+split by timers wrapped, in this process only, around the engine's parts:
+
+- in the forward: ``attention_inputs`` (RMSNorm, fused q/k/v, rotary), ``kv_write`` (the
+  KV cache writes), ``kv_gather`` (reading the keys and values through the block tables),
+  ``attention`` (scores, softmax, weighted sum), ``output_and_mlp`` (output projection,
+  RMSNorm, fused gate/up, SwiGLU, down, residuals), ``logits`` (final RMSNorm, LM head of
+  the sampled rows), ``forward_other`` (embedding, rotary tables, the flat batch, masks);
+- outside it: ``sampling``, ``update_inputs``, ``step_paddle`` and ``advance_step`` (the
+  ops and their assigns), ``host`` (the one copy back and the scheduler's bookkeeping).
+
+Each part: the median over the timed steps, in ms. ``--dense eager`` runs every dense
+block with ``paddle.matmul`` (as before the CPU op), ``--dense auto`` as shipped (each block
+runs the fastest way measured: our op, eager or compiled).
+
+Usage: profile_decode_step.py CHECKPOINT [--batches 1,8] [--steps N] [--threads N]
+                              [--dense auto|eager|op|compiled] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import zlib  # noqa: F401  isort: skip  (loaded before paddle, see tests/conftest.py)
+
+import numpy as np  # noqa: E402
+
+PROMPT_TOKENS = 64
+BLOCK_SIZE = 16
+WARMUP_STEPS = 3
+FORWARD_PARTS = ("attention_inputs", "kv_write", "kv_gather", "attention", "output_and_mlp",
+                 "logits")  # fmt: skip
+STEP_PARTS = ("sampling", "update_inputs", "step_paddle", "advance_step", "host")
+
+
+class PartTimer:
+    """Accumulates wall time per part name over one step."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] = defaultdict(float)
+
+    def wrap(self, owner, attribute: str, part: str) -> None:
+        """Times ``owner.attribute`` (an instance's method or a plain function) as ``part``."""
+        original = getattr(owner, attribute)
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.current[part] += time.perf_counter() - started
+
+        setattr(owner, attribute, timed)
+
+
+def instrument(engine, timer: PartTimer) -> None:
+    runner, model = engine.runner, engine.runner.model
+    for name in ("attention_inputs", "output_and_mlp", "logits"):
+        timer.wrap(getattr(model.blocks, name), "run", name)
+    timer.wrap(runner.kv_cache, "write_kept", "kv_write")
+    timer.wrap(runner.kv_cache, "gather_head_major", "kv_gather")
+    timer.wrap(model, "_attention", "attention")
+    timer.wrap(runner, "forward", "forward")
+    timer.wrap(runner, "sample", "sampling")
+    timer.wrap(runner, "update_inputs", "update_inputs")
+    timer.wrap(runner, "schedule_blocks", "step_paddle")
+    timer.wrap(runner, "advance_decode_inputs", "advance_step")
+    timer.wrap(runner, "sync_host", "host_sync")
+    timer.wrap(engine.scheduler, "record", "host_record")
+
+
+def profile(model, batch: int, steps: int, threads: int) -> dict:
+    from paddle_step.config import EngineConfig
+    from paddle_step.engine.llm_engine import Engine
+
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(batch)
+    prompts = [rng.integers(3, vocab, PROMPT_TOKENS).tolist() for _ in range(batch)]
+    total = WARMUP_STEPS + steps + 1
+    per_seq = -(-(PROMPT_TOKENS + total) // BLOCK_SIZE)
+    config = EngineConfig(
+        max_batch=batch,
+        max_model_len=per_seq * BLOCK_SIZE,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=2 * batch * (per_seq + 1),
+        decoder_pool_ratio=0.5,
+        threads=threads,
+    )
+    engine = Engine(model, config)
+    for prompt in prompts:
+        engine.add_request(prompt, total, eos_token_id=[])
+    timer = PartTimer()
+    instrument(engine, timer)
+    engine.step()  # the prefill
+    for _ in range(WARMUP_STEPS):
+        engine.step()
+    samples = defaultdict(list)
+    for _ in range(steps):
+        timer.current.clear()
+        started = time.perf_counter()
+        engine.step()
+        step = time.perf_counter() - started
+        parts = dict(timer.current)
+        parts["forward_other"] = parts["forward"] - sum(parts.get(p, 0.0) for p in FORWARD_PARTS)
+        parts["host"] = parts.pop("host_sync", 0.0) + parts.pop("host_record", 0.0)
+        parts["step_other"] = step - parts["forward"] - sum(parts.get(p, 0.0) for p in STEP_PARTS)
+        parts["step"] = step
+        for name, seconds in parts.items():
+            samples[name].append(seconds * 1e3)
+    dense_ways = {
+        name: dict(getattr(model.blocks, name).choice)
+        for name in ("attention_inputs", "output_and_mlp", "logits")
+    }
+    return {
+        "B": batch,
+        "steps": steps,
+        "median_ms": {name: statistics.median(values) for name, values in samples.items()},
+        "dense_ways": dense_ways,
+    }
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="a Hugging Face checkpoint folder")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=None, help="default: every core")
+    parser.add_argument("--dense", default="auto", choices=("auto", "eager", "op", "compiled"))
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    os.environ["PADDLE_STEP_DENSE"] = args.dense  # read when the model's blocks are made
+
+    import paddle
+
+    from paddle_step.engine.cpu_threads import default_threads
+    from paddle_step.model_loader.loader import load_checkpoint
+
+    paddle.set_device("cpu")
+    threads = default_threads() if args.threads is None else args.threads
+    model = load_checkpoint(args.checkpoint).model
+    rows = [profile(model, int(b), args.steps, threads) for b in args.batches.split(",")]
+    report = {"checkpoint": args.checkpoint, "dense": args.dense, "threads": threads,
+              "results": rows}  # fmt: skip
+    if args.json:
+        print(json.dumps(report))
+        return report
+    parts = ("step", "forward", *FORWARD_PARTS, "forward_other", *STEP_PARTS, "step_other")
+    print(f"{args.checkpoint}: dense {args.dense}, {threads} thread(s), median of "
+          f"{args.steps} decode steps, ms")  # fmt: skip
+    print("| part | " + " | ".join(f"B={row['B']}" for row in rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    for part in parts:
+        cells = " | ".join(f"{row['median_ms'].get(part, 0.0):.2f}" for row in rows)
+        print(f"| {part} | {cells} |")
+    for row in rows:
+        print(f"B={row['B']} dense ways: {row['dense_ways']}", file=sys.stderr)
+    return report
+
+
+if __name__ == "__main__":
+    main()
