@@ -6,8 +6,10 @@ engine would compute on one core."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-__all__ = ["available_cores", "default_threads", "set_compute_threads"]
+__all__ = ["available_cores", "default_threads", "one_math_thread", "set_compute_threads"]
 
 
 def available_cores() -> int:
@@ -31,3 +33,18 @@ def set_compute_threads(threads: int) -> None:
 
     core.set_num_threads(threads)
     cpu_linear.set_num_threads(threads)
+
+
+@contextmanager
+def one_math_thread(threads: int) -> Iterator[None]:
+    """Runs Paddle's CPU kernels on one thread inside, and on ``threads`` after: for ops
+    too small to gain from threads, whose fork and join then cost more than the work (on
+    a busy machine, a [64, 2048] softmax takes ~10x longer on two threads than on one).
+    Each row of such an op is one thread's work, so the results do not change."""
+    from paddle.base import core
+
+    core.set_num_threads(1)
+    try:
+        yield
+    finally:
+        core.set_num_threads(threads)
