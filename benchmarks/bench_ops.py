@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import sys
@@ -52,6 +51,7 @@ import numpy as np  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*ccache.*")
 import paddle  # noqa: E402
+from bench_common import emit_report  # noqa: E402
 from paddle import _C_ops  # noqa: E402
 
 import paddle_step  # noqa: E402
@@ -715,11 +715,7 @@ def main(argv=None) -> dict:
     if args.plot:
         plot(report, args.plot)
         report["plot"] = args.plot
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_table(report)
-    return report
+    return emit_report(report, args.json, print_table)
 
 
 if __name__ == "__main__":
