@@ -1,6 +1,6 @@
 """What the benchmark scripts share: engine configs sized so that no step preempts, the
-projections of a random checkpoint's decoder layer, and the report ending (one JSON line
-or the script's own table)."""
+projections of a random checkpoint's decoder layer, the ``--batches`` list, and the report
+ending (one JSON line or the script's own table)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ from collections.abc import Callable
 
 from paddle_step.config import EngineConfig
 
-__all__ = ["emit_report", "layer_projections", "whole_batch_config", "whole_context_config"]
+__all__ = [
+    "emit_report",
+    "layer_projections",
+    "parse_batches",
+    "whole_batch_config",
+    "whole_context_config",
+]
 
 
 def whole_batch_config(batch: int, tokens_per_seq: int, block_size: int, **fields) -> EngineConfig:
@@ -37,6 +43,11 @@ def whole_context_config(batch: int, context: int, block_size: int, **fields) ->
         num_kv_blocks=2 * batch * (max_model_len // block_size),
         **fields,
     )
+
+
+def parse_batches(text: str | None, default: tuple[int, ...]) -> tuple[int, ...]:
+    """``--batches 1,8,64`` as a tuple of ints; ``default`` when the flag is not given."""
+    return tuple(int(b) for b in text.split(",")) if text else default
 
 
 def emit_report(report: dict, as_json: bool, print_table: Callable[[dict], None]) -> dict:

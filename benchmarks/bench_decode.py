@@ -70,6 +70,7 @@ import paddle  # noqa: E402
 from bench_common import (  # noqa: E402
     emit_report,
     layer_projections,
+    parse_batches,
     whole_batch_config,
     whole_context_config,
 )  # noqa: E402
@@ -671,15 +672,8 @@ def parse_args(argv=None):
         parser.error(
             f"--shapes: unknown {sorted(unknown)}, expected some of {list(COMPARE_SHAPES)}"
         )
-    args.batches = (
-        tuple(int(b) for b in args.batches.split(","))
-        if args.batches
-        else COMPARE_BATCHES
-        if args.paddleformers
-        else QUICK_BATCHES
-        if args.quick
-        else FULL_BATCHES
-    )
+    batches = QUICK_BATCHES if args.quick else FULL_BATCHES
+    args.batches = parse_batches(args.batches, COMPARE_BATCHES if args.paddleformers else batches)
     args.steps = args.steps or (4 if args.quick else 60)
     args.warmup = args.warmup or (2 if args.quick else 4)
     return args
