@@ -32,20 +32,14 @@ from pathlib import Path
 
 import numpy as np
 from bench_common import layer_projections, whole_batch_config
+from make_random_llama import SHAPES
 
 FORMATS = {
     "float32": ("--dtype", "float32"),
     "bfloat16": ("--dtype", "bfloat16"),
     "int8": ("--quantization", "int8"),
 }
-QWEN_05B = dict(
-    hidden_size=896,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    intermediate_size=4864,
-    vocab_size=151936,
-)
+QWEN_05B = SHAPES["qwen2.5-0.5b"]
 TINY = dict(
     hidden_size=64,
     num_hidden_layers=2,
