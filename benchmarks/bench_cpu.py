@@ -50,6 +50,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
+from bench_common import emit_report  # noqa: E402
 from make_random_llama import SHAPES, write_checkpoint  # noqa: E402
 
 PROMPT_LEN = 64
@@ -572,11 +573,7 @@ def main(argv=None) -> dict:
                     )
                 )
                 save()
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_report(report)
-    return report
+    return emit_report(report, args.json, print_report)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ Usage: bench_cpu_linear.py [--quick] [--json] [--threads 1,2] [--repeats N]
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -47,6 +46,7 @@ import numpy as np  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*ccache.*")
 import paddle  # noqa: E402
+from bench_common import emit_report  # noqa: E402
 from paddle.base import core  # noqa: E402
 
 import paddle_step_ops as _library  # noqa: E402
@@ -289,11 +289,7 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     report = measure(args)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_report(report)
-    return report
+    return emit_report(report, args.json, print_report)
 
 
 if __name__ == "__main__":

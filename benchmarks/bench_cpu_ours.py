@@ -19,8 +19,8 @@ import time
 import zlib  # noqa: F401  isort: skip  (loaded before paddle, see tests/conftest.py)
 
 import paddle  # noqa: E402
+from bench_common import whole_batch_config  # noqa: E402
 
-from paddle_step.config import EngineConfig  # noqa: E402
 from paddle_step.engine.llm_engine import Engine  # noqa: E402
 from paddle_step.errors import CheckpointError  # noqa: E402
 from paddle_step.model_loader.loader import load_checkpoint  # noqa: E402
@@ -53,12 +53,10 @@ def generate(model, prompts: list, new_tokens: int, threads: int) -> dict:
     """Every prompt in its own slot, all admitted in the first step: the KV cache has room
     for the whole batch in both block regions."""
     batch = len(prompts)
-    per_seq = -(-(max(map(len, prompts)) + new_tokens) // BLOCK_SIZE)
-    config = EngineConfig(
-        max_batch=batch,
-        max_model_len=per_seq * BLOCK_SIZE,
-        block_size=BLOCK_SIZE,
-        num_kv_blocks=2 * batch * (per_seq + 1),
+    config = whole_batch_config(
+        batch,
+        max(map(len, prompts)) + new_tokens,
+        BLOCK_SIZE,
         decoder_pool_ratio=0.5,
         threads=threads,
     )

@@ -67,10 +67,17 @@ import numpy as np  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*ccache.*")
 import paddle  # noqa: E402
+from bench_common import (  # noqa: E402
+    emit_report,
+    layer_projections,
+    parse_batches,
+    whole_batch_config,
+    whole_context_config,
+)  # noqa: E402
 from paddle.base import core  # noqa: E402
 
 import paddle_step.engine.model_runner as runner_module  # noqa: E402
-from paddle_step.config import EngineConfig, ModelConfig  # noqa: E402
+from paddle_step.config import ModelConfig  # noqa: E402
 from paddle_step.engine.cpu_threads import default_threads, set_compute_threads  # noqa: E402
 from paddle_step.engine.llm_engine import Engine  # noqa: E402
 from paddle_step.layers.dense_blocks import onednn_available  # noqa: E402
@@ -201,14 +208,8 @@ class StepProbe:
 
 def make_engine(batch: int, seed: int) -> tuple[Engine, list]:
     model = LlamaForCausalLM(ModelConfig(seed=seed))
-    per_region = batch * (MAX_MODEL_LEN // BLOCK_SIZE)
-    config = EngineConfig(
-        max_batch=batch,
-        max_model_len=MAX_MODEL_LEN,
-        block_size=BLOCK_SIZE,
-        num_kv_blocks=2 * per_region,
-        decoder_pool_ratio=0.5,
-        threads=THREADS[0],
+    config = whole_context_config(
+        batch, MAX_MODEL_LEN, BLOCK_SIZE, decoder_pool_ratio=0.5, threads=THREADS[0]
     )
     engine = Engine(model, config, seed=seed)
     rng = np.random.default_rng(seed)
@@ -416,15 +417,7 @@ def write_random_checkpoint(path: str, shape: dict, seed: int = 0) -> None:
         prefix = f"model.layers.{layer}"
         tensors[f"{prefix}.input_layernorm.weight"] = np.ones(hidden, np.float32)
         tensors[f"{prefix}.post_attention_layernorm.weight"] = np.ones(hidden, np.float32)
-        for name, out_width, in_width in (
-            ("self_attn.q_proj", q_width, hidden),
-            ("self_attn.k_proj", kv_width, hidden),
-            ("self_attn.v_proj", kv_width, hidden),
-            ("self_attn.o_proj", hidden, q_width),
-            ("mlp.gate_proj", inter, hidden),
-            ("mlp.up_proj", inter, hidden),
-            ("mlp.down_proj", hidden, inter),
-        ):
+        for name, out_width, in_width in layer_projections(hidden, q_width, kv_width, inter):
             tensors[f"{prefix}.{name}.weight"] = linear(out_width, in_width)
     save_file(tensors, os.path.join(path, "model.safetensors"))
     config = {
@@ -452,12 +445,10 @@ def run_engine(model, prompts: list, new_tokens: int) -> dict:
     """Greedy generation of ``prompts`` by our engine, every prompt in its own slot at
     once; the step time split into the model forward and the rest."""
     batch = len(prompts)
-    per_seq = -(-(COMPARE_PROMPT_LEN + new_tokens) // BLOCK_SIZE)
-    config = EngineConfig(
-        max_batch=batch,
-        max_model_len=per_seq * BLOCK_SIZE,
-        block_size=BLOCK_SIZE,
-        num_kv_blocks=2 * batch * (per_seq + 1),
+    config = whole_batch_config(
+        batch,
+        COMPARE_PROMPT_LEN + new_tokens,
+        BLOCK_SIZE,
         decoder_pool_ratio=0.5,
         threads=THREADS[0],
     )
@@ -681,15 +672,8 @@ def parse_args(argv=None):
         parser.error(
             f"--shapes: unknown {sorted(unknown)}, expected some of {list(COMPARE_SHAPES)}"
         )
-    args.batches = (
-        tuple(int(b) for b in args.batches.split(","))
-        if args.batches
-        else COMPARE_BATCHES
-        if args.paddleformers
-        else QUICK_BATCHES
-        if args.quick
-        else FULL_BATCHES
-    )
+    batches = QUICK_BATCHES if args.quick else FULL_BATCHES
+    args.batches = parse_batches(args.batches, COMPARE_BATCHES if args.paddleformers else batches)
     args.steps = args.steps or (4 if args.quick else 60)
     args.warmup = args.warmup or (2 if args.quick else 4)
     return args
@@ -744,11 +728,7 @@ def main(argv=None) -> dict:
         "targets": targets,
         "elapsed_s": round(time.time() - started, 1),
     }
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_table(report)
-    return report
+    return emit_report(report, args.json, print_table)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import sys
@@ -52,6 +51,7 @@ import numpy as np  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*ccache.*")
 import paddle  # noqa: E402
+from bench_common import emit_report, parse_batches  # noqa: E402
 from paddle import _C_ops  # noqa: E402
 
 import paddle_step  # noqa: E402
@@ -621,13 +621,7 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=int, help="timing rounds (best-of)")
     parser.add_argument("--no-static", action="store_true", help="skip the to_static column")
     args = parser.parse_args(argv)
-    args.batches = (
-        tuple(int(b) for b in args.batches.split(","))
-        if args.batches
-        else QUICK_BATCHES
-        if args.quick
-        else FULL_BATCHES
-    )
+    args.batches = parse_batches(args.batches, QUICK_BATCHES if args.quick else FULL_BATCHES)
     args.scenarios = (
         tuple(args.scenarios.split(","))
         if args.scenarios
@@ -715,11 +709,7 @@ def main(argv=None) -> dict:
     if args.plot:
         plot(report, args.plot)
         report["plot"] = args.plot
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_table(report)
-    return report
+    return emit_report(report, args.json, print_table)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ against its "off" twin in the same run, alternating, the median of ``--repeats``
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
@@ -27,9 +26,9 @@ import time
 
 import numpy as np
 import paddle
+from bench_common import emit_report, whole_context_config
 from bench_decode import COMPARE_SHAPES, write_random_checkpoint
 
-from paddle_step.config import EngineConfig
 from paddle_step.engine.arg_utils import DEFAULT_MODEL
 from paddle_step.engine.llm_engine import Engine
 from paddle_step.model_loader.loader import load_checkpoint
@@ -90,15 +89,7 @@ def percentile(values, q: float) -> float:
 
 def engine_for(loaded, context: int, max_batch: int, block_size: int, **features) -> Engine:
     """An engine whose regions each hold every slot's whole sequence (no preemption)."""
-    max_model_len = context // block_size * block_size
-    blocks = max_batch * (max_model_len // block_size)
-    config = EngineConfig(
-        max_batch=max_batch,
-        max_model_len=max_model_len,
-        block_size=block_size,
-        num_kv_blocks=2 * blocks,
-        **features,
-    )
+    config = whole_context_config(max_batch, context, block_size, **features)
     return Engine(loaded.model, config, eos_token_ids=[])
 
 
@@ -249,11 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
             "ttft_cost": chunked["long_prompt_ttft_ms"] / whole["long_prompt_ttft_ms"],
         },
     }
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_report(report)
-    return report
+    return emit_report(report, args.json, print_report)
 
 
 def print_report(report: dict) -> None:

@@ -31,20 +31,15 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench_common import layer_projections, whole_batch_config
+from make_random_llama import SHAPES
 
 FORMATS = {
     "float32": ("--dtype", "float32"),
     "bfloat16": ("--dtype", "bfloat16"),
     "int8": ("--quantization", "int8"),
 }
-QWEN_05B = dict(
-    hidden_size=896,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    intermediate_size=4864,
-    vocab_size=151936,
-)
+QWEN_05B = SHAPES["qwen2.5-0.5b"]
 TINY = dict(
     hidden_size=64,
     num_hidden_layers=2,
@@ -89,15 +84,7 @@ def write_checkpoint(path: Path, shape: dict, seed: int = 0) -> None:
         prefix = f"model.layers.{layer}"
         for norm in ("input_layernorm", "post_attention_layernorm"):
             tensors[f"{prefix}.{norm}.weight"] = bfloat16_bits(np.ones(hidden, np.float32))
-        for name, out_width, in_width in (
-            ("self_attn.q_proj", q_width, hidden),
-            ("self_attn.k_proj", kv_width, hidden),
-            ("self_attn.v_proj", kv_width, hidden),
-            ("self_attn.o_proj", hidden, q_width),
-            ("mlp.gate_proj", inter, hidden),
-            ("mlp.up_proj", inter, hidden),
-            ("mlp.down_proj", hidden, inter),
-        ):
+        for name, out_width, in_width in layer_projections(hidden, q_width, kv_width, inter):
             # HF layout [out, in]; 1/sqrt(fan_in) keeps the activations O(1).
             tensors[f"{prefix}.{name}.weight"] = normal(out_width, in_width, scale=in_width**-0.5)
         for name, width in (("q_proj", q_width), ("k_proj", kv_width), ("v_proj", kv_width)):
@@ -158,7 +145,6 @@ def child(checkpoint: str, weight_format: str, batches: list[int]) -> dict:
     """One format, in this (fresh) process."""
     import paddle
 
-    from paddle_step.config import EngineConfig
     from paddle_step.engine.llm_engine import Engine
     from paddle_step.model_loader.loader import load_checkpoint
     from paddle_step.sampling_params import SamplingParams
@@ -176,13 +162,7 @@ def child(checkpoint: str, weight_format: str, batches: list[int]) -> dict:
     vocab = model.config.vocab_size
     runs = {}
     for batch in batches:
-        per_seq = -(-(PROMPT_LEN + NEW_TOKENS) // BLOCK_SIZE)
-        config = EngineConfig(
-            max_batch=batch,
-            max_model_len=per_seq * BLOCK_SIZE,
-            block_size=BLOCK_SIZE,
-            num_kv_blocks=2 * batch * (per_seq + 1),
-        )
+        config = whole_batch_config(batch, PROMPT_LEN + NEW_TOKENS, BLOCK_SIZE)
         prompts = rng.integers(0, vocab, (batch, PROMPT_LEN)).tolist()
         engine = Engine(model, config)
         engine.generate(prompts[:1], SamplingParams(max_tokens=2))  # warms the row classes up

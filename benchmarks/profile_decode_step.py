@@ -81,25 +81,21 @@ def instrument(engine, timer: PartTimer) -> None:
 
 
 def profile(model, batch: int, steps: int, threads: int) -> dict:
-    from paddle_step.config import EngineConfig
+    from bench_common import whole_batch_config
+
     from paddle_step.engine.llm_engine import Engine
+    from paddle_step.sampling_params import SamplingParams
 
     vocab = model.config.vocab_size
     rng = np.random.default_rng(batch)
     prompts = [rng.integers(3, vocab, PROMPT_TOKENS).tolist() for _ in range(batch)]
     total = WARMUP_STEPS + steps + 1
-    per_seq = -(-(PROMPT_TOKENS + total) // BLOCK_SIZE)
-    config = EngineConfig(
-        max_batch=batch,
-        max_model_len=per_seq * BLOCK_SIZE,
-        block_size=BLOCK_SIZE,
-        num_kv_blocks=2 * batch * (per_seq + 1),
-        decoder_pool_ratio=0.5,
-        threads=threads,
+    config = whole_batch_config(
+        batch, PROMPT_TOKENS + total, BLOCK_SIZE, decoder_pool_ratio=0.5, threads=threads
     )
     engine = Engine(model, config)
     for prompt in prompts:
-        engine.add_request(prompt, total, eos_token_id=[])
+        engine.add_request(prompt, SamplingParams(max_tokens=total, eos_token_id=[]))
     timer = PartTimer()
     instrument(engine, timer)
     engine.step()  # the prefill

@@ -12,21 +12,14 @@ from paddle_step.engine.llm_engine import Engine
 from paddle_step.engine.slot_state import ShareInputs
 from paddle_step.layers.sampler import sample_tokens
 from paddle_step.models.llama import LlamaForCausalLM
-from paddle_step.sampling_params import SamplingParams
 from paddle_step.spec.check_state import check_state
 from paddle_step.testing.greedy import greedy_reference
+from paddle_step.testing.sampling import limited
 
 
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
     return LlamaForCausalLM(ModelConfig(dtype="float64", seed=11))
-
-
-def limited(max_tokens: int | list[int], **fields) -> SamplingParams | list[SamplingParams]:
-    """SamplingParams of ``max_tokens`` (one, or one per entry of a list) and ``fields``."""
-    if isinstance(max_tokens, list):
-        return [SamplingParams(max_tokens=limit, **fields) for limit in max_tokens]
-    return SamplingParams(max_tokens=max_tokens, **fields)
 
 
 def assert_blocks_conserved(engine: Engine) -> None:

@@ -11,15 +11,8 @@ from paddle_step.engine.block_allocator import EncoderBlockAllocator
 from paddle_step.engine.llm_engine import Engine
 from paddle_step.engine.prefix_cache import cacheable_blocks, prompt_block_hashes
 from paddle_step.models.llama import LlamaForCausalLM
-from paddle_step.sampling_params import SamplingParams
 from paddle_step.testing.greedy import greedy_reference
-
-
-def limited(max_tokens: int | list[int], **fields) -> SamplingParams | list[SamplingParams]:
-    """SamplingParams of ``max_tokens`` (one, or one per entry of a list) and ``fields``."""
-    if isinstance(max_tokens, list):
-        return [SamplingParams(max_tokens=limit, **fields) for limit in max_tokens]
-    return SamplingParams(max_tokens=max_tokens, **fields)
+from paddle_step.testing.sampling import limited
 
 
 @pytest.fixture(scope="module")

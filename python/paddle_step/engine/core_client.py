@@ -25,14 +25,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for_ready
 
 from ..sampling_params import SamplingParams
-from .core_messages import (
-    AbortRequest,
-    AddRequest,
-    EngineFailed,
-    Ready,
-    StepOutput,
-    Stop,
-)
+from .core_messages import AbortRequest, AddRequest, EngineFailed, Ready, StepOutput, Stop
 from .core_proc import run_engine
 
 __all__ = [

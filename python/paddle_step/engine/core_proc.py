@@ -14,14 +14,7 @@ import signal
 import sys
 import traceback
 
-from .core_messages import (
-    AbortRequest,
-    AddRequest,
-    EngineFailed,
-    Ready,
-    StepOutput,
-    Stop,
-)
+from .core_messages import AbortRequest, AddRequest, EngineFailed, Ready, StepOutput, Stop
 
 __all__ = ["run_engine"]
 

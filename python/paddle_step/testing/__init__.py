@@ -8,5 +8,6 @@
   through a ``run_op`` callable;
 - ``paddle_ops``: the compiled ops as such callables (the only module here that needs
   paddle; nothing imports it implicitly);
-- ``server_process``: the server in a subprocess on 127.0.0.1 (standard library only).
+- ``server_process``: the server in a subprocess on 127.0.0.1 (standard library only);
+- ``sampling``: the ``limited`` SamplingParams shorthand of the engine tests.
 """
