@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
@@ -138,7 +139,7 @@ def weight_bytes(model) -> int:
         else:
             found = [weight]  # a fused bias, or None
         tensors.update((id(t), t) for t in found if t is not None)
-    return sum(t.numel().item() * t.element_size() for t in tensors.values())
+    return sum(math.prod(t.shape) * t.element_size() for t in tensors.values())
 
 
 def child(checkpoint: str, weight_format: str, batches: list[int]) -> dict:

@@ -103,7 +103,12 @@ def columns(packed: PackedWeights, ids: paddle.Tensor) -> paddle.Tensor:
         index = start + (rows // 2 * 2 * _PANEL_WIDTH + rows % 2) + 2 * column
     else:  # [panels][K][32]
         index = (panel * k).unsqueeze(1) * _PANEL_WIDTH + rows * _PANEL_WIDTH + column
-    values = paddle.gather(flat, index.flatten()).astype("float32").reshape([-1, k])
+    if packed.format == "int8":
+        # paddle 2.6 has no CPU int8 gather: gather the same bytes viewed as uint8.
+        picked = paddle.view(paddle.gather(paddle.view(flat, "uint8"), index.flatten()), "int8")
+    else:
+        picked = paddle.gather(flat, index.flatten())
+    values = picked.astype("float32").reshape([-1, k])
     if packed.format != "int8":
         return values
     groups = packed.scales.shape[1]  # [panels][ceil(K/G)][32]
