@@ -166,6 +166,8 @@ class ModelRunner:
         outputs = self.model.forward_paged(**batch, kv_cache=self.kv_cache)
         if logit_rows:
             outputs, extra = outputs
+        if outputs.shape[0] == self.config.max_batch:
+            return outputs, extra  # every slot ran a token: ``slots`` is 0..B-1 in order
         logits = paddle.zeros([self.config.max_batch, outputs.shape[1]], dtype=outputs.dtype)
         return paddle.scatter(logits, slots, outputs), extra
 
