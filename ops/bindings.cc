@@ -107,12 +107,13 @@ PYBIND11_MODULE(paddle_step_ops, module) {
       "cpu_linear",
       [](const paddle::Tensor& x, const paddle::Tensor& weights,
          const pybind11::object& scales, const pybind11::object& bias,
-         int64_t n, int64_t group_size) {
+         int64_t n, int64_t group_size, const std::string& isa) {
         return paddle_step::CpuLinear(x, weights, OptionalTensor(scales),
-                                      OptionalTensor(bias), n, group_size);
+                                      OptionalTensor(bias), n, group_size, isa);
       },
       pybind11::arg("x"), pybind11::arg("weights"), pybind11::arg("scales"),
-      pybind11::arg("bias"), pybind11::arg("n"), pybind11::arg("group_size"));
+      pybind11::arg("bias"), pybind11::arg("n"), pybind11::arg("group_size"),
+      pybind11::arg("isa") = "");
   module.def("cpu_linear_pack_float32", &paddle_step::CpuLinearPackFloat32,
              pybind11::arg("w"));
   module.def("cpu_linear_pack_bfloat16", &paddle_step::CpuLinearPackBFloat16,

@@ -34,8 +34,9 @@ int AvailableCores() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
-cpu::Isa ParseIsa(const char* argument, const std::string& name,
-                  cpu::Isa best) {
+// `name` as a path no more capable than `best`, which `limit` describes.
+cpu::Isa ParseIsa(const char* argument, const std::string& name, cpu::Isa best,
+                  const char* limit = "a path this CPU supports") {
   if (name == "auto") return best;
   cpu::Isa isa;
   if (!cpu::IsaFromName(name, &isa)) {
@@ -44,7 +45,7 @@ cpu::Isa ParseIsa(const char* argument, const std::string& name,
   }
   if (isa > best) {
     kCheck.Fail(argument,
-                std::string("a path this CPU supports (up to ") +
+                std::string(limit) + " (up to " +
                     cpu::IsaName(best) + ")",
                 "'" + name + "'");
   }
@@ -202,9 +203,13 @@ std::vector<paddle::Tensor> CpuLinearPackInt8(const paddle::Tensor& w,
 paddle::Tensor CpuLinear(const paddle::Tensor& x, const paddle::Tensor& weights,
                          const paddle::optional<paddle::Tensor>& scales,
                          const paddle::optional<paddle::Tensor>& bias,
-                         int64_t n, int64_t group_size) {
+                         int64_t n, int64_t group_size,
+                         const std::string& isa_name) {
   CpuLinearState& state = State();
   if (!state.isa_error.empty()) throw std::invalid_argument(state.isa_error);
+  const cpu::Isa isa =
+      isa_name.empty() ? state.isa : ParseIsa("isa", isa_name, state.isa,
+                                       "a path products may run on now");
   const TensorView x_view = ViewOf(x);
   kCheck.Dtype("x", x_view, {paddle::DataType::FLOAT32});
   kCheck.Shape("x", x_view, {-1, -1});
@@ -263,8 +268,11 @@ paddle::Tensor CpuLinear(const paddle::Tensor& x, const paddle::Tensor& weights,
   problem.w.data = weights.data();
   problem.y = y.data<float>();
   problem.y_stride = n;
+  // The caller's thread prepares x, the pool's threads read it.
+  thread_local std::vector<uint32_t> scratch;
+  scratch.resize(cpu::ActivationBytes(isa, format, m, k) / sizeof(uint32_t));
+  cpu::PrepareActivations(isa, &problem, scratch.data());
 
-  const cpu::Isa isa = state.isa;
   const int tasks = static_cast<int>(std::min<int64_t>(
       {int64_t{state.pool.size()} * kTasksPerThread, panels,
        cpu::ThreadPool::kMaxTasks}));

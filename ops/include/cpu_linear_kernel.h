@@ -18,10 +18,11 @@
 // The layout does not depend on the instruction set: weights packed once run
 // on every path.
 //
-// Every path multiplies the same float32 values of x and of the (widened or
-// dequantized) weights and accumulates in float32 in order of k; paths differ
-// only in the rounding of that order (an FMA rounds once, the scalar path
-// may round twice).
+// Every path accumulates in float32 in order of k (one pair of k at a time on
+// the AVX512-BF16 path). They multiply the same float32 values of x and of the
+// (widened or dequantized) weights and differ only in the rounding of that
+// order (an FMA rounds once, the scalar path may round twice), except that the
+// AVX512-BF16 path multiplies bfloat16 weights by x rounded to bfloat16.
 #pragma once
 
 #include <algorithm>
@@ -188,6 +189,10 @@ struct LinearProblem {
   const float* bias = nullptr;  // [n] or null
   float* y = nullptr;           // [m, n], rows y_stride apart
   int64_t y_stride = 0;
+  // x rounded to bfloat16 for the kernels that multiply bfloat16 pairs
+  // (PrepareActivations): [m][x_pairs_stride] pairs of k = 2s, 2s+1.
+  const uint32_t* x_pairs = nullptr;
+  int64_t x_pairs_stride = 0;
 };
 
 namespace scalar_path {
@@ -413,6 +418,97 @@ inline void Panels(const LinearProblem& p, int64_t begin, int64_t end) {
 }  // namespace avx512_path
 #pragma GCC pop_options
 
+// ------------------------------------------------------------- AVX512-BF16
+// bfloat16 weights times x rounded to bfloat16. vdpbf16ps multiplies a pair of
+// x (k = 2s, 2s+1; one 32-bit word broadcast to every lane) by the same pair of
+// 16 columns, a pair row of the panel as packed, and adds both products to a
+// float32 sum: one instruction does the work of two FMAs, and no weight is
+// widened. A product of two bfloat16 values is exact in float32, so only the
+// sums round (as the FMA paths' do), and x's rounding to bfloat16 (nearest
+// even, once per call: PrepareActivations) is the only other difference from
+// the AVX-512 path. Denormal inputs count as zero (the instructions' rule).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma")
+namespace avx512_bf16_path {
+
+// 2 * kRows accumulators + 2 weight vectors of the 32 registers.
+constexpr int kRows = 12;
+
+// Rows of x [m, k] (x_stride apart) rounded to bfloat16 into rows of
+// 2 * ceil(k / 2) values (an odd k's last pair padded with zero).
+inline void RoundRows(const float* x, int64_t m, int64_t k, int64_t x_stride,
+                      uint16_t* out) {
+  const int64_t width = 2 * PanelRows(WeightFormat::kBFloat16, k);
+  for (int64_t r = 0; r < m; ++r) {
+    const float* in = x + r * x_stride;
+    uint16_t* row = out + r * width;
+    for (int64_t c = 0; c < width; c += 32) {
+      const int64_t left = k - c;  // may be below 32, 16 or 0
+      const __mmask16 low = static_cast<__mmask16>(
+          left >= 16 ? 0xFFFF : left <= 0 ? 0 : (1u << left) - 1);
+      const __mmask16 high = static_cast<__mmask16>(
+          left >= 32 ? 0xFFFF : left <= 16 ? 0 : (1u << (left - 16)) - 1);
+      const __m512bh rounded =
+          _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(high, in + c + 16),
+                              _mm512_maskz_loadu_ps(low, in + c));
+      const int64_t count = std::min<int64_t>(32, width - c);
+      const __mmask32 store = static_cast<__mmask32>(
+          count >= 32 ? 0xFFFFFFFFu : (1u << count) - 1);
+      _mm512_mask_storeu_epi16(row + c, store,
+                               reinterpret_cast<const __m512i&>(rounded));
+    }
+  }
+}
+
+template <int kTileRows>
+void TileBFloat16(const LinearProblem& p, int64_t panel, int64_t row) {
+  const int64_t pairs = PanelRows(WeightFormat::kBFloat16, p.w.k);
+  const __m512i* w = reinterpret_cast<const __m512i*>(
+      static_cast<const uint16_t*>(p.w.data) +
+      panel * PanelElements(WeightFormat::kBFloat16, p.w.k));
+  const uint32_t* x = p.x_pairs + row * p.x_pairs_stride;
+  avx512_path::Accumulators<kTileRows> acc;
+  for (int64_t s = 0; s < pairs; ++s) {
+    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + 2 * s));
+    const __m512bh w1 =
+        reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + 2 * s + 1));
+#pragma GCC unroll 16
+    for (int r = 0; r < kTileRows; ++r) {
+      const __m512bh xv = reinterpret_cast<__m512bh>(
+          _mm512_set1_epi32(static_cast<int>(x[r * p.x_pairs_stride + s])));
+      acc.sum[r][0] = _mm512_dpbf16_ps(acc.sum[r][0], xv, w0);
+      acc.sum[r][1] = _mm512_dpbf16_ps(acc.sum[r][1], xv, w1);
+    }
+  }
+  const int64_t first = panel * kPanelWidth;
+  acc.Store(p.y + row * p.y_stride + first, p.y_stride,
+            p.bias ? p.bias + first : nullptr,
+            std::min(kPanelWidth, p.w.n - first));
+}
+
+using TileFunction = void (*)(const LinearProblem&, int64_t, int64_t);
+
+inline const TileFunction* TileBFloat16Table() {
+  static constexpr TileFunction table[kRows + 1] = {
+      nullptr,          TileBFloat16<1>,  TileBFloat16<2>,  TileBFloat16<3>,
+      TileBFloat16<4>,  TileBFloat16<5>,  TileBFloat16<6>,  TileBFloat16<7>,
+      TileBFloat16<8>,  TileBFloat16<9>,  TileBFloat16<10>, TileBFloat16<11>,
+      TileBFloat16<12>};
+  return table;
+}
+
+inline void Panels(const LinearProblem& p, int64_t begin, int64_t end) {
+  const TileFunction* tiles = TileBFloat16Table();
+  for (int64_t panel = begin; panel < end; ++panel) {
+    for (int64_t row = 0; row < p.m; row += kRows) {
+      tiles[std::min<int64_t>(kRows, p.m - row)](p, panel, row);
+    }
+  }
+}
+
+}  // namespace avx512_bf16_path
+#pragma GCC pop_options
+
 // --------------------------------------------------------------------- AVX2
 // 16 vector registers. A tile is kRows rows of x times kVectors 8-float
 // vectors of one panel, from column `column` of the panel: kRows * kVectors
@@ -626,14 +722,45 @@ inline void Panels(const LinearProblem& p, int64_t begin, int64_t end) {
 #undef PADDLE_STEP_INLINE
 #endif  // PADDLE_STEP_CPU_X86
 
+// Whether a product on `isa` multiplies x rounded to bfloat16 (the
+// AVX512-BF16 path's bfloat16 weights), which PrepareActivations makes.
+inline bool RoundsActivations(Isa isa, WeightFormat format) {
+  return isa == Isa::kAvx512Bf16 && format == WeightFormat::kBFloat16;
+}
+
+// Bytes of scratch PrepareActivations needs for an [m, k] x on `isa`.
+inline int64_t ActivationBytes(Isa isa, WeightFormat format, int64_t m,
+                               int64_t k) {
+  if (!RoundsActivations(isa, format)) return 0;
+  return m * PanelRows(WeightFormat::kBFloat16, k) * sizeof(uint32_t);
+}
+
+// Fills `scratch` (ActivationBytes of it, 4-byte aligned) with the form of x
+// the path multiplies, once per product, and points `p` at it.
+inline void PrepareActivations(Isa isa, LinearProblem* p, void* scratch) {
+  if (!RoundsActivations(isa, p->w.format)) return;
+#ifdef PADDLE_STEP_CPU_X86
+  avx512_bf16_path::RoundRows(p->x, p->m, p->w.k, p->x_stride,
+                              static_cast<uint16_t*>(scratch));
+  p->x_pairs = static_cast<const uint32_t*>(scratch);
+  p->x_pairs_stride = PanelRows(WeightFormat::kBFloat16, p->w.k);
+#endif
+}
+
 // Panels [begin, end) of the product on the given path, which the CPU must
-// support (DetectIsa). A path without a kernel of its own for the format runs
-// the next one down.
+// support (DetectIsa), after PrepareActivations. A path without a kernel of
+// its own for the format runs the next one down.
 inline void LinearPanels(Isa isa, const LinearProblem& p, int64_t begin,
                          int64_t end) {
 #ifdef PADDLE_STEP_CPU_X86
   switch (isa) {
     case Isa::kAvx512Bf16:
+      if (p.w.format == WeightFormat::kBFloat16) {
+        avx512_bf16_path::Panels(p, begin, end);
+        return;
+      }
+      avx512_path::Panels(p, begin, end);
+      return;
     case Isa::kAvx512:
       avx512_path::Panels(p, begin, end);
       return;

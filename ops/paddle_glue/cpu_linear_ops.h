@@ -27,11 +27,14 @@ std::vector<paddle::Tensor> CpuLinearPackInt8(const paddle::Tensor& w,
 
 // x float32 [M, K] @ the packed weights of N columns (+ bias float32 [N]):
 // float32 [M, N]. The weights' dtype says their format; `scales` and
-// `group_size` belong to int8 weights (pass none and 0 otherwise).
+// `group_size` belong to int8 weights (pass none and 0 otherwise). `isa`:
+// the path of this product, at most the process's (CpuLinearSetIsa), or ""
+// for the process's path.
 paddle::Tensor CpuLinear(const paddle::Tensor& x, const paddle::Tensor& weights,
                          const paddle::optional<paddle::Tensor>& scales,
                          const paddle::optional<paddle::Tensor>& bias,
-                         int64_t n, int64_t group_size);
+                         int64_t n, int64_t group_size,
+                         const std::string& isa);
 
 // Threads a product runs on (the caller's included); at least 1.
 void CpuLinearSetNumThreads(int64_t threads);

@@ -1,10 +1,13 @@
 """The CPU decode-row product (ops/cpu_linear.cc) against a float64 NumPy reference.
 
-The reference multiplies the same float32 activations by the same weights the kernel uses:
-W itself (float32), W rounded to bfloat16, or W's int8 quantization times its scales (both
-computed here in NumPy, independently of the packer). What remains is float32 rounding in the
-kernel. A dot product of K terms accumulated in float32 (one rounding per product and per
-addition, or one per FMA) is within ``gamma(K) * sum_k |x_k w_k|`` of the exact value,
+The reference multiplies the same activations by the same weights the kernel uses: W itself
+(float32), W rounded to bfloat16, or W's int8 quantization times its scales (both computed
+here in NumPy, independently of the packer); the activations are x in float32, except that
+the avx512_bf16 path multiplies bfloat16 weights by x rounded to bfloat16 (vdpbf16ps). What
+remains is float32 rounding in the kernel (a product of two bfloat16 values is exact).
+
+A dot product of K terms accumulated in float32 (one rounding per product and per addition,
+or one per FMA) is within ``gamma(K) * sum_k |x_k w_k|`` of the exact value,
 ``gamma(K) = K u / (1 - K u)`` with ``u = 2**-24``, in any order of summation (Higham,
 Accuracy and Stability of Numerical Algorithms, 3.1); adding the bias rounds once more. So
 each output must lie within ``(K + 2) u (|x| @ |W| + |bias|)`` of the reference: a bound, not a
@@ -71,6 +74,13 @@ def effective_weights(w, weight_format, group_size):
     return q.astype(np.float32) * np.repeat(scales, group, axis=0)[:k]
 
 
+def multiplied_activations(x, weight_format, isa):
+    """The activations the kernel on path ``isa`` multiplies ``weight_format`` weights by."""
+    if isa == "avx512_bf16" and weight_format == "bfloat16":
+        return bfloat16_values(x)
+    return x
+
+
 def reference_and_bound(x, weights, bias):
     """The float64 product and the float32 accumulation bound of each of its entries."""
     x64, w64 = x.astype(np.float64), weights.astype(np.float64)
@@ -106,13 +116,19 @@ def shape_case(index):
 
 
 @functools.cache
-def format_case(index, weight_format, group_size):
-    """The packed weights and the reference of SHAPES[index] in a format: packed once for
-    every path."""
+def packed_case(index, weight_format, group_size):
+    """The packed weights of SHAPES[index] in a format: packed once for every path."""
+    _, w, _ = shape_case(index)
+    return cpu_linear.pack(w, weight_format, group_size)
+
+
+@functools.cache
+def format_case(index, weight_format, group_size, isa):
+    """The packed weights and the reference of SHAPES[index] in a format on a path."""
     x, w, bias = shape_case(index)
-    packed = cpu_linear.pack(w, weight_format, group_size)
     weights = effective_weights(w, weight_format, group_size)
-    return packed, reference_and_bound(x, weights, bias)
+    x = multiplied_activations(x, weight_format, isa)
+    return packed_case(index, weight_format, group_size), reference_and_bound(x, weights, bias)
 
 
 @pytest.fixture(params=ISA_PATHS)
@@ -128,7 +144,7 @@ def isa_path(request):
 def test_products_match_float64_reference(isa_path, weight_format, group_size):
     for index, (m, _, n) in enumerate(SHAPES):
         x, _, bias = shape_case(index)
-        packed, (reference, bound) = format_case(index, weight_format, group_size)
+        packed, (reference, bound) = format_case(index, weight_format, group_size, isa_path)
         y = cpu_linear.linear(
             paddle.to_tensor(x), packed, None if bias is None else paddle.to_tensor(bias)
         )
@@ -184,8 +200,32 @@ def test_row_shards_sum_to_the_product(isa_path, weight_format, group_size):
         part = cpu_linear.linear(paddle.to_tensor(x[:, begin:end].copy()), packed).numpy()
         total += part
         weights.append(effective_weights(shard, weight_format, group_size))
+    x = multiplied_activations(x, weight_format, isa_path)
     reference, bound = reference_and_bound(x, np.concatenate(weights), None)
     check_within(total, reference, bound)
+
+
+@pytest.mark.parametrize("weight_format, group_size", FORMATS)
+def test_a_product_can_run_on_a_lower_path(weight_format, group_size):
+    """``linear(..., isa=...)`` runs one product on a path below the process's: the same
+    bits as the process set to that path; a path above it is refused."""
+    rng = np.random.default_rng(9)
+    w = rng.standard_normal((101, 70)).astype(np.float32)
+    x = paddle.to_tensor(rng.standard_normal((13, 101)).astype(np.float32))
+    packed = cpu_linear.pack(w, weight_format, group_size)
+    best = cpu_linear.best_isa()
+    try:
+        for path in ISA_PATHS[: ISA_RANK[best] + 1]:
+            cpu_linear.set_isa(path)
+            expected = cpu_linear.linear(x, packed).numpy()
+            cpu_linear.set_isa("auto")
+            np.testing.assert_array_equal(cpu_linear.linear(x, packed, isa=path).numpy(), expected)
+        if best != "scalar":
+            cpu_linear.set_isa("scalar")
+            with pytest.raises(ValueError, match="argument 'isa': expected a path products"):
+                cpu_linear.linear(x, packed, isa=best)
+    finally:
+        cpu_linear.set_isa("auto")
 
 
 def test_read_sum_and_fma_rate():
@@ -239,6 +279,7 @@ def test_bfloat16_weights_are_kept_exactly():
     x = rng.standard_normal((4, 33)).astype(np.float32)
     packed = cpu_linear.pack_bfloat16(w)
     y = cpu_linear.linear(paddle.to_tensor(x), packed).numpy()
+    x = multiplied_activations(x, "bfloat16", cpu_linear.isa())
     check_product(y, x, w.astype("float32").numpy(), None)
 
 

@@ -83,10 +83,16 @@ def pack(w, weight_format: str = "float32", group_size: int | None = None) -> Pa
 
 
 def linear(
-    x: paddle.Tensor, packed: PackedWeights, bias: paddle.Tensor | None = None
+    x: paddle.Tensor,
+    packed: PackedWeights,
+    bias: paddle.Tensor | None = None,
+    isa: str | None = None,
 ) -> paddle.Tensor:
-    """``x`` float32 [M, K] @ ``packed`` (+ ``bias`` float32 [N]): a new float32 [M, N]."""
-    return _library.cpu_linear(x, packed.weights, packed.scales, bias, packed.n, packed.group_size)
+    """``x`` float32 [M, K] @ ``packed`` (+ ``bias`` float32 [N]): a new float32 [M, N].
+    ``isa``: the path of this product (at most ``isa()``); None: ``isa()``."""
+    return _library.cpu_linear(
+        x, packed.weights, packed.scales, bias, packed.n, packed.group_size, isa or ""
+    )
 
 
 def columns(packed: PackedWeights, ids: paddle.Tensor) -> paddle.Tensor:

@@ -13,10 +13,13 @@ measurement on the machine at hand.
 Which one wins depends on the CPU, the thread count, the shape and the number of rows, so
 each block times every way it can run the first time a row count class
 (``padded_rows``) appears, and keeps the fastest for that class (``DenseBlock``).
-``PADDLE_STEP_DENSE`` forces one way where it can run (``eager``, ``op``, ``compiled``;
-default ``auto``); ``PADDLE_STEP_ONEDNN=0`` leaves ``compiled`` out. float64, Paddle before
-3.0 and devices other than the CPU run eagerly. A model whose weights are kept in bfloat16
-or int8 (``ModelConfig.weight_format``) has them only packed, and runs the op alone.
+``PADDLE_STEP_DENSE`` forces one way where it can run (``eager``, ``op``, ``op_widened``,
+``compiled``; default ``auto``); ``PADDLE_STEP_ONEDNN=0`` leaves ``compiled`` out. float64,
+Paddle before 3.0 and devices other than the CPU run eagerly. A model whose weights are kept
+in bfloat16 or int8 (``ModelConfig.weight_format``) has them only packed, and runs the op
+alone; on a CPU with AVX512-BF16, bfloat16 weights have two ways: ``op`` multiplies them by x
+rounded to bfloat16 (``vdpbf16ps``, twice the multiply-adds per instruction), ``op_widened``
+widens them to float32 and multiplies by x as it is (the AVX-512 path).
 
 The same Python function makes all three, so they compute the same expression and differ
 only in float rounding (summation order).
@@ -43,7 +46,9 @@ if TYPE_CHECKING:
 
 ENV_SWITCH = "PADDLE_STEP_ONEDNN"
 ENV_METHOD = "PADDLE_STEP_DENSE"
-METHODS = ("eager", "op", "compiled")
+METHODS = ("eager", "op", "op_widened", "compiled")
+# The op's path for ``op_widened``: AVX-512 without the bfloat16 pair products.
+WIDENED_ISA = "avx512"
 # Timed calls of each way when a row count class first appears (after one untimed call,
 # which traces the compiled program and warms the kernels): the fastest of them counts.
 TIMED_CALLS = 2
@@ -298,6 +303,10 @@ class DenseBlock:
             self._functions["eager"] = make(False, matmul)
         if "op" in methods:
             self._functions["op"] = make(False, cpu_linear.linear)
+        if "op_widened" in methods:
+            self._functions["op_widened"] = make(
+                False, functools.partial(cpu_linear.linear, isa=WIDENED_ISA)
+            )
         if "compiled" in methods:
             self._functions["compiled"] = paddle.jit.to_static(
                 make(True, matmul), input_spec=input_spec, full_graph=True
@@ -314,9 +323,9 @@ class DenseBlock:
 
     def run(self, method: str, *args):
         """The block's outputs computed ``method``'s way."""
-        if method == "op":
+        if method in ("op", "op_widened"):
             args = [arg.packed if i in self.weights else arg for i, arg in enumerate(args)]
-            return self._functions["op"](*args)
+            return self._functions[method](*args)
         args = [arg.tensor if i in self.weights else arg for i, arg in enumerate(args)]
         if method == "eager":
             return self._functions["eager"](*args)
@@ -397,6 +406,8 @@ def model_blocks(config: ModelConfig, all_reduce: AllReduceFn | None = None) -> 
         methods.append("compiled")
     if config.weight_format is not None:  # the weights exist only packed for the op
         methods = ["op"]
+        if config.weight_format == "bfloat16" and cpu_linear.isa() == "avx512_bf16":
+            methods.append("op_widened")
     hidden, head_dim, eps = config.hidden_size, config.head_dim, config.rms_eps
     q_width = config.num_heads * head_dim
     qkv_width = q_width + 2 * config.num_kv_heads * head_dim
