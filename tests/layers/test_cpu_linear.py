@@ -63,7 +63,7 @@ def int8_quantized(w, group_size):
 
 
 def effective_weights(w, weight_format, group_size):
-    """The float32 weights the kernel multiplies by for ``w`` in ``weight_format``."""
+    """The weights the kernel computes with for ``w`` in ``weight_format``."""
     if weight_format == "float32":
         return w
     if weight_format == "bfloat16":
@@ -71,7 +71,9 @@ def effective_weights(w, weight_format, group_size):
     k = w.shape[0]
     group = k if group_size is None else group_size
     q, scales = int8_quantized(w, group)
-    return q.astype(np.float32) * np.repeat(scales, group, axis=0)[:k]
+    # Exact (float64): the kernel multiplies each weight or each sum by its scale, and
+    # either rounding is one of the float32 roundings the bound counts.
+    return q.astype(np.float64) * np.repeat(scales, group, axis=0)[:k]
 
 
 def multiplied_activations(x, weight_format, isa):
