@@ -270,7 +270,7 @@ paddle::Tensor CpuLinear(const paddle::Tensor& x, const paddle::Tensor& weights,
   problem.y_stride = n;
   // The caller's thread prepares x, the pool's threads read it.
   thread_local std::vector<uint32_t> scratch;
-  scratch.resize(cpu::ActivationBytes(isa, format, m, k) / sizeof(uint32_t));
+  scratch.resize(cpu::ActivationBytes(isa, problem.w, m) / sizeof(uint32_t));
   cpu::PrepareActivations(isa, &problem, scratch.data());
 
   const int tasks = static_cast<int>(std::min<int64_t>(

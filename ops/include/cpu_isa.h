@@ -14,7 +14,8 @@ enum class Isa {
   kScalar,      // plain C++: any CPU
   kAvx2,        // AVX2 + FMA, 256-bit vectors
   kAvx512,      // AVX-512 F/BW/VL, 512-bit vectors
-  kAvx512Bf16,  // AVX-512 with AVX512-BF16 (vdpbf16ps)
+  kAvx512Bf16,  // AVX-512 with AVX512-BF16 (vdpbf16ps) and AVX512-VNNI
+                // (vpdpbusd): every CPU with the first has the second
 };
 
 inline const char* IsaName(Isa isa) {
@@ -52,7 +53,10 @@ inline Isa DetectIsa() {
                       __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") &&
                       __builtin_cpu_supports("fma");
-  if (avx512 && __builtin_cpu_supports("avx512bf16")) return Isa::kAvx512Bf16;
+  if (avx512 && __builtin_cpu_supports("avx512bf16") &&
+      __builtin_cpu_supports("avx512vnni")) {
+    return Isa::kAvx512Bf16;
+  }
   if (avx512) return Isa::kAvx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
     return Isa::kAvx2;

@@ -189,11 +189,23 @@ struct LinearProblem {
   const float* bias = nullptr;  // [n] or null
   float* y = nullptr;           // [m, n], rows y_stride apart
   int64_t y_stride = 0;
-  // x rounded to bfloat16 for the kernels that multiply bfloat16 pairs
-  // (PrepareActivations): [m][x_pairs_stride] pairs of k = 2s, 2s+1.
-  const uint32_t* x_pairs = nullptr;
-  int64_t x_pairs_stride = 0;
+  // x in the form the dot-product kernels multiply (PrepareActivations):
+  // [m][x_words_stride] 32-bit words, each a pair of k (bfloat16) or a quad
+  // of k (uint8: x / x_scales[row] rounded, plus 128).
+  const uint32_t* x_words = nullptr;
+  int64_t x_words_stride = 0;
+  const float* x_scales = nullptr;  // [m], uint8 quads only
 };
+
+// The form of x a product multiplies (ActivationFormOf).
+enum class ActivationForm {
+  kFloat32,         // x as it is
+  kBFloat16Pairs,   // x rounded to bfloat16, for bfloat16 weights (vdpbf16ps)
+  kUint8Quads,      // x quantized per row, for int8 weights (vpdpbusd)
+};
+
+// The largest K whose uint8 x int8 sums fit int32: K * 255 * 127 < 2^31.
+constexpr int64_t kMaxQuadK = 65536;
 
 namespace scalar_path {
 
@@ -502,8 +514,16 @@ inline void Panels(const LinearProblem& p, int64_t begin, int64_t end) {
 // sums round (as the FMA paths' do), and x's rounding to bfloat16 (nearest
 // even, once per call: PrepareActivations) is the only other difference from
 // the AVX-512 path. Denormal inputs count as zero (the instructions' rule).
+//
+// int8 weights with one scale per column times x quantized per row (scale =
+// max |x| / 127, rounded to nearest even, stored plus 128 as uint8):
+// vpdpbusd adds 4 products of uint8 x and int8 weights to an int32 sum, 4
+// times the multiply-adds of an FMA. The sums are exact; 128 * sum(w) of the
+// column (a vpdpbusd of 128s, shared by the tile's rows) comes off before the
+// two scales multiply them. The panels keep their [K][32] layout: 4 rows of
+// k are interleaved into quads in registers (Quads), once per tile.
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,fma")
 namespace avx512_bf16_path {
 
 // 2 * kRows accumulators + 2 weight vectors of the 32 registers.
@@ -541,7 +561,7 @@ void TileBFloat16(const LinearProblem& p, int64_t panel, int64_t row) {
   const __m512i* w = reinterpret_cast<const __m512i*>(
       static_cast<const uint16_t*>(p.w.data) +
       panel * PanelElements(WeightFormat::kBFloat16, p.w.k));
-  const uint32_t* x = p.x_pairs + row * p.x_pairs_stride;
+  const uint32_t* x = p.x_words + row * p.x_words_stride;
   avx512_path::Accumulators<kTileRows> acc;
   for (int64_t s = 0; s < pairs; ++s) {
     avx512_path::PrefetchAhead(w + 2 * s);
@@ -552,7 +572,7 @@ void TileBFloat16(const LinearProblem& p, int64_t panel, int64_t row) {
 #pragma GCC unroll 16
     for (int r = 0; r < kTileRows; ++r) {
       const __m512bh xv = reinterpret_cast<__m512bh>(
-          _mm512_set1_epi32(static_cast<int>(x[r * p.x_pairs_stride + s])));
+          _mm512_set1_epi32(static_cast<int>(x[r * p.x_words_stride + s])));
       acc.sum[r][0] = _mm512_dpbf16_ps(acc.sum[r][0], xv, w0);
       acc.sum[r][1] = _mm512_dpbf16_ps(acc.sum[r][1], xv, w1);
     }
@@ -574,7 +594,144 @@ inline const TileFunction* TileBFloat16Table() {
   return table;
 }
 
+// Rows of x [m, k] (x_stride apart) quantized into rows of 4 * ceil(k / 4)
+// bytes (padding: 128, a zero) and their scales.
+inline void QuantizeRows(const float* x, int64_t m, int64_t k, int64_t x_stride,
+                         uint8_t* out, float* scales) {
+  const int64_t width = 4 * ((k + 3) / 4);
+  for (int64_t r = 0; r < m; ++r) {
+    const float* in = x + r * x_stride;
+    __m512 largest = _mm512_setzero_ps();
+    for (int64_t c = 0; c < k; c += 16) {
+      const __mmask16 mask = static_cast<__mmask16>(
+          k - c >= 16 ? 0xFFFF : (1u << (k - c)) - 1);
+      largest = _mm512_max_ps(largest, _mm512_abs_ps(_mm512_maskz_loadu_ps(mask, in + c)));
+    }
+    const float scale = _mm512_reduce_max_ps(largest) / 127.0f;
+    scales[r] = scale;
+    // An all-zero row: every q is 0 whatever the divisor.
+    const __m512 divisor = _mm512_set1_ps(scale > 0.0f ? scale : 1.0f);
+    uint8_t* row = out + r * width;
+    for (int64_t c = 0; c < width; c += 16) {
+      const int64_t left = k - c;
+      const __mmask16 mask = static_cast<__mmask16>(
+          left >= 16 ? 0xFFFF : left <= 0 ? 0 : (1u << left) - 1);
+      const __m512i q = _mm512_cvtps_epi32(
+          _mm512_div_ps(_mm512_maskz_loadu_ps(mask, in + c), divisor));
+      const __m512i clamped = _mm512_max_epi32(
+          _mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+      const __m128i bytes = _mm512_cvtepi32_epi8(
+          _mm512_add_epi32(clamped, _mm512_set1_epi32(128)));
+      const int64_t count = std::min<int64_t>(16, width - c);
+      _mm_mask_storeu_epi8(row + c,
+                           static_cast<__mmask16>(count >= 16 ? 0xFFFF : (1u << count) - 1),
+                           bytes);
+    }
+  }
+}
+
+// Rows k = 4t .. 4t+3 of an int8 panel ([4][32] bytes from `rows`) as two
+// vectors of quads, column c's 4 bytes in one 32-bit lane. Lanes hold the
+// columns in the order [0-3, 16-19, 8-11, 24-27] (q0), [4-7, 20-23, 12-15,
+// 28-31] (q1), which Unpermute undoes on the sums.
+PADDLE_STEP_INLINE void Quads(const int8_t* rows, __m512i* q0, __m512i* q1) {
+  const __m512i a = _mm512_loadu_si512(rows);       // rows 0 | 1
+  const __m512i b = _mm512_loadu_si512(rows + 64);  // rows 2 | 3
+  // [row 0, row 0, row 2, row 2] and [row 1, row 1, row 3, row 3] by 16 columns
+  const __m512i even = _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m512i odd = _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(3, 2, 3, 2));
+  // byte pairs of rows (0, 1) and (2, 3): columns 0-7, 16-23 (low), 8-15, 24-31
+  const __m512i low = _mm512_unpacklo_epi8(even, odd);
+  const __m512i high = _mm512_unpackhi_epi8(even, odd);
+  const __m512i rows01 = _mm512_shuffle_i64x2(low, high, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m512i rows23 = _mm512_shuffle_i64x2(low, high, _MM_SHUFFLE(3, 2, 3, 2));
+  *q0 = _mm512_unpacklo_epi16(rows01, rows23);
+  *q1 = _mm512_unpackhi_epi16(rows01, rows23);
+}
+
+// Sums in Quads' lane order back to columns 0-15 (first) and 16-31.
+PADDLE_STEP_INLINE void Unpermute(__m512i s0, __m512i s1, __m512i* first,
+                                  __m512i* second) {
+  *first = _mm512_permutex2var_epi64(
+      s0, _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0), s1);
+  *second = _mm512_permutex2var_epi64(
+      s0, _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2), s1);
+}
+
+constexpr int kInt8Rows = 8;
+
+template <int kTileRows>
+void TileInt8(const LinearProblem& p, int64_t panel, int64_t row) {
+  const int64_t k = p.w.k;
+  const int8_t* w = static_cast<const int8_t*>(p.w.data) +
+                    panel * PanelElements(WeightFormat::kInt8, k);
+  const uint32_t* x = p.x_words + row * p.x_words_stride;
+  __m512i sum[kTileRows][2];
+#pragma GCC unroll 16
+  for (int r = 0; r < kTileRows; ++r) {
+    sum[r][0] = _mm512_setzero_si512();
+    sum[r][1] = _mm512_setzero_si512();
+  }
+  __m512i offset0 = _mm512_setzero_si512();  // 128 * sum(w), per column
+  __m512i offset1 = _mm512_setzero_si512();
+  const __m512i x128 = _mm512_set1_epi32(static_cast<int>(0x80808080u));
+  const auto add_quad = [&](const int8_t* rows, int64_t t)
+                            __attribute__((always_inline)) {
+    __m512i q0, q1;
+    Quads(rows, &q0, &q1);
+    offset0 = _mm512_dpbusd_epi32(offset0, x128, q0);
+    offset1 = _mm512_dpbusd_epi32(offset1, x128, q1);
+#pragma GCC unroll 16
+    for (int r = 0; r < kTileRows; ++r) {
+      const __m512i xv =
+          _mm512_set1_epi32(static_cast<int>(x[r * p.x_words_stride + t]));
+      sum[r][0] = _mm512_dpbusd_epi32(sum[r][0], xv, q0);
+      sum[r][1] = _mm512_dpbusd_epi32(sum[r][1], xv, q1);
+    }
+  };
+  const int64_t quads = k / 4;
+  for (int64_t t = 0; t < quads; ++t) {
+    const int8_t* rows = w + 4 * t * kPanelWidth;
+    avx512_path::PrefetchAhead(rows);
+    avx512_path::PrefetchAhead(rows + 64);
+    add_quad(rows, t);
+  }
+  if (k % 4) {  // the last rows, padded with zero rows (the panel ends there)
+    alignas(64) int8_t tail[4 * kPanelWidth] = {};
+    std::memcpy(tail, w + 4 * quads * kPanelWidth, (k % 4) * kPanelWidth);
+    add_quad(tail, quads);
+  }
+  const float* scales = p.w.scales + panel * kPanelWidth;
+  const __m512 s0 = _mm512_loadu_ps(scales);
+  const __m512 s1 = _mm512_loadu_ps(scales + 16);
+  avx512_path::Accumulators<kTileRows> acc;
+#pragma GCC unroll 16
+  for (int r = 0; r < kTileRows; ++r) {
+    __m512i first, second;
+    Unpermute(_mm512_sub_epi32(sum[r][0], offset0),
+              _mm512_sub_epi32(sum[r][1], offset1), &first, &second);
+    const __m512 x_scale = _mm512_set1_ps(p.x_scales[row + r]);
+    acc.sum[r][0] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(first), x_scale), s0);
+    acc.sum[r][1] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(second), x_scale), s1);
+  }
+  const int64_t first = panel * kPanelWidth;
+  acc.Store(p.y + row * p.y_stride + first, p.y_stride,
+            p.bias ? p.bias + first : nullptr,
+            std::min(kPanelWidth, p.w.n - first));
+}
+
+inline const TileFunction* TileInt8Table() {
+  static constexpr TileFunction table[kInt8Rows + 1] = {
+      nullptr,     TileInt8<1>, TileInt8<2>, TileInt8<3>, TileInt8<4>,
+      TileInt8<5>, TileInt8<6>, TileInt8<7>, TileInt8<8>};
+  return table;
+}
+
 inline void Panels(const LinearProblem& p, int64_t begin, int64_t end) {
+  if (p.w.format == WeightFormat::kInt8) {
+    RowTiles(p, begin, end, TileInt8Table(), kInt8Rows);
+    return;
+  }
   RowTiles(p, begin, end, TileBFloat16Table(), kRows);
 }
 
@@ -810,28 +967,58 @@ inline void Panels(const LinearProblem& p, int64_t begin, int64_t end) {
 #undef PADDLE_STEP_INLINE
 #endif  // PADDLE_STEP_CPU_X86
 
-// Whether a product on `isa` multiplies x rounded to bfloat16 (the
-// AVX512-BF16 path's bfloat16 weights), which PrepareActivations makes.
-inline bool RoundsActivations(Isa isa, WeightFormat format) {
-  return isa == Isa::kAvx512Bf16 && format == WeightFormat::kBFloat16;
+// The form of x a product on `isa` multiplies: the AVX512-BF16 path's dot
+// products take bfloat16 weights, and int8 weights with one scale per column
+// and K up to kMaxQuadK.
+inline ActivationForm ActivationFormOf(Isa isa, const PackedWeights& w) {
+  if (isa != Isa::kAvx512Bf16) return ActivationForm::kFloat32;
+  if (w.format == WeightFormat::kBFloat16) return ActivationForm::kBFloat16Pairs;
+  if (w.format == WeightFormat::kInt8 && w.group_size >= w.k &&
+      w.k <= kMaxQuadK) {
+    return ActivationForm::kUint8Quads;
+  }
+  return ActivationForm::kFloat32;
 }
 
-// Bytes of scratch PrepareActivations needs for an [m, k] x on `isa`.
-inline int64_t ActivationBytes(Isa isa, WeightFormat format, int64_t m,
-                               int64_t k) {
-  if (!RoundsActivations(isa, format)) return 0;
-  return m * PanelRows(WeightFormat::kBFloat16, k) * sizeof(uint32_t);
+// Bytes of scratch PrepareActivations needs for m rows of x on `isa`.
+inline int64_t ActivationBytes(Isa isa, const PackedWeights& w, int64_t m) {
+  switch (ActivationFormOf(isa, w)) {
+    case ActivationForm::kBFloat16Pairs:
+      return m * PanelRows(WeightFormat::kBFloat16, w.k) * 4;
+    case ActivationForm::kUint8Quads:
+      return m * (4 + 4 * ((w.k + 3) / 4));  // a scale and the quads per row
+    case ActivationForm::kFloat32:
+      break;
+  }
+  return 0;
 }
 
 // Fills `scratch` (ActivationBytes of it, 4-byte aligned) with the form of x
 // the path multiplies, once per product, and points `p` at it.
 inline void PrepareActivations(Isa isa, LinearProblem* p, void* scratch) {
-  if (!RoundsActivations(isa, p->w.format)) return;
 #ifdef PADDLE_STEP_CPU_X86
-  avx512_bf16_path::RoundRows(p->x, p->m, p->w.k, p->x_stride,
-                              static_cast<uint16_t*>(scratch));
-  p->x_pairs = static_cast<const uint32_t*>(scratch);
-  p->x_pairs_stride = PanelRows(WeightFormat::kBFloat16, p->w.k);
+  switch (ActivationFormOf(isa, p->w)) {
+    case ActivationForm::kBFloat16Pairs:
+      avx512_bf16_path::RoundRows(p->x, p->m, p->w.k, p->x_stride,
+                                  static_cast<uint16_t*>(scratch));
+      p->x_words = static_cast<const uint32_t*>(scratch);
+      p->x_words_stride = PanelRows(WeightFormat::kBFloat16, p->w.k);
+      return;
+    case ActivationForm::kUint8Quads: {
+      float* scales = static_cast<float*>(scratch);
+      uint8_t* quads = reinterpret_cast<uint8_t*>(scales + p->m);
+      avx512_bf16_path::QuantizeRows(p->x, p->m, p->w.k, p->x_stride, quads,
+                                     scales);
+      p->x_scales = scales;
+      p->x_words = reinterpret_cast<const uint32_t*>(quads);
+      p->x_words_stride = (p->w.k + 3) / 4;
+      return;
+    }
+    case ActivationForm::kFloat32:
+      return;
+  }
+#else
+  (void)isa, (void)p, (void)scratch;
 #endif
 }
 
@@ -843,7 +1030,7 @@ inline void LinearPanels(Isa isa, const LinearProblem& p, int64_t begin,
 #ifdef PADDLE_STEP_CPU_X86
   switch (isa) {
     case Isa::kAvx512Bf16:
-      if (p.w.format == WeightFormat::kBFloat16) {
+      if (ActivationFormOf(isa, p.w) != ActivationForm::kFloat32) {
         avx512_bf16_path::Panels(p, begin, end);
         return;
       }

@@ -2,9 +2,11 @@
 
 The reference multiplies the same activations by the same weights the kernel uses: W itself
 (float32), W rounded to bfloat16, or W's int8 quantization times its scales (both computed
-here in NumPy, independently of the packer); the activations are x in float32, except that
-the avx512_bf16 path multiplies bfloat16 weights by x rounded to bfloat16 (vdpbf16ps). What
-remains is float32 rounding in the kernel (a product of two bfloat16 values is exact).
+here in NumPy, independently of the packer); the activations are x in float32, except on
+the avx512_bf16 path: bfloat16 weights times x rounded to bfloat16 (vdpbf16ps), int8 weights
+with one scale per column times x quantized per row (vpdpbusd; ``uint8_quantized_values``).
+What remains is float32 rounding in the kernel (a product of two bfloat16 values is exact,
+and so are integer sums).
 
 A dot product of K terms accumulated in float32 (one rounding per product and per addition,
 or one per FMA) is within ``gamma(K) * sum_k |x_k w_k|`` of the exact value,
@@ -76,10 +78,24 @@ def effective_weights(w, weight_format, group_size):
     return q.astype(np.float64) * np.repeat(scales, group, axis=0)[:k]
 
 
-def multiplied_activations(x, weight_format, isa):
-    """The activations the kernel on path ``isa`` multiplies ``weight_format`` weights by."""
-    if isa == "avx512_bf16" and weight_format == "bfloat16":
+def uint8_quantized_values(x):
+    """``x`` [M, K] quantized per row as the avx512_bf16 path's int8 products take it:
+    scale = max |x| / 127, q = x / scale rounded to nearest even; q * scale in float64."""
+    scale = np.abs(x).max(axis=1, keepdims=True) / np.float32(127)
+    q = np.clip(np.rint(x / np.where(scale > 0, scale, np.float32(1))), -127, 127)
+    return q.astype(np.float64) * scale.astype(np.float64)
+
+
+def multiplied_activations(x, weight_format, isa, group_size=None):
+    """The activations the kernel on path ``isa`` multiplies ``weight_format`` weights by:
+    on avx512_bf16, x rounded to bfloat16 for bfloat16 weights (vdpbf16ps) and x quantized
+    per row for int8 weights with one scale per column (vpdpbusd)."""
+    if isa != "avx512_bf16":
+        return x
+    if weight_format == "bfloat16":
         return bfloat16_values(x)
+    if weight_format == "int8" and (group_size is None or group_size >= x.shape[1]):
+        return uint8_quantized_values(x)
     return x
 
 
@@ -129,7 +145,7 @@ def format_case(index, weight_format, group_size, isa):
     """The packed weights and the reference of SHAPES[index] in a format on a path."""
     x, w, bias = shape_case(index)
     weights = effective_weights(w, weight_format, group_size)
-    x = multiplied_activations(x, weight_format, isa)
+    x = multiplied_activations(x, weight_format, isa, group_size)
     return packed_case(index, weight_format, group_size), reference_and_bound(x, weights, bias)
 
 
@@ -194,16 +210,17 @@ def test_row_shards_sum_to_the_product(isa_path, weight_format, group_size):
     rng = np.random.default_rng(7)
     w = rng.standard_normal((200, 45)).astype(np.float32)
     x = rng.standard_normal((9, 200)).astype(np.float32)
-    total = np.zeros((9, 45), np.float64)
-    weights = []
+    total = reference = bound = np.zeros((9, 45), np.float64)
     for begin, end in ((0, 67), (67, 131), (131, 200)):
-        shard = w[begin:end]
+        shard, x_shard = w[begin:end], x[:, begin:end].copy()
         packed = cpu_linear.pack(shard, weight_format, group_size)
-        part = cpu_linear.linear(paddle.to_tensor(x[:, begin:end].copy()), packed).numpy()
-        total += part
-        weights.append(effective_weights(shard, weight_format, group_size))
-    x = multiplied_activations(x, weight_format, isa_path)
-    reference, bound = reference_and_bound(x, np.concatenate(weights), None)
+        total = total + cpu_linear.linear(paddle.to_tensor(x_shard), packed).numpy()
+        part_reference, part_bound = reference_and_bound(
+            multiplied_activations(x_shard, weight_format, isa_path, group_size),
+            effective_weights(shard, weight_format, group_size),
+            None,
+        )
+        reference, bound = reference + part_reference, bound + part_bound
     check_within(total, reference, bound)
 
 

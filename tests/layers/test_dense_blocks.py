@@ -224,21 +224,19 @@ def test_float64_stays_eager_and_the_switch_leaves_compiled_out(monkeypatch) -> 
     assert all(block.methods == ("eager", "op") for block in model_blocks(PLAIN))
 
 
-def test_bfloat16_weights_run_two_ways_where_the_cpu_has_bf16_dot_products() -> None:
-    """``op`` (vdpbf16ps on x rounded to bfloat16) and ``op_widened`` where the op runs its
-    avx512_bf16 path; ``op`` alone on any lower path (set_isa forces one); other packed
-    formats run ``op`` alone."""
+@pytest.mark.parametrize("weight_format", ["bfloat16", "int8"])
+def test_packed_weights_run_two_ways_where_the_cpu_has_dot_products(weight_format) -> None:
+    """``op`` (dot products on x in bfloat16 or 8 bits) and ``op_widened`` where the op runs
+    its avx512_bf16 path; ``op`` alone on any lower path (set_isa forces one)."""
     from paddle_step.layers import cpu_linear
 
-    bfloat16 = ModelConfig(vocab_size=300, hidden_size=64, num_layers=1, weight_format="bfloat16")
-    int8 = ModelConfig(vocab_size=300, hidden_size=64, num_layers=1, weight_format="int8")
-    assert all(block.methods == ("op",) for block in model_blocks(int8))
+    config = ModelConfig(vocab_size=300, hidden_size=64, num_layers=1, weight_format=weight_format)
     paths = ("avx2", "avx512", "avx512_bf16")
     try:
         for path in paths[: paths.index(cpu_linear.best_isa()) + 1]:
             cpu_linear.set_isa(path)
             expected = ("op", "op_widened") if path == "avx512_bf16" else ("op",)
-            assert all(block.methods == expected for block in model_blocks(bfloat16)), path
+            assert all(block.methods == expected for block in model_blocks(config)), path
     finally:
         cpu_linear.set_isa("auto")
 

@@ -17,9 +17,11 @@ each block times every way it can run the first time a row count class
 ``compiled``; default ``auto``); ``PADDLE_STEP_ONEDNN=0`` leaves ``compiled`` out. float64,
 Paddle before 3.0 and devices other than the CPU run eagerly. A model whose weights are kept
 in bfloat16 or int8 (``ModelConfig.weight_format``) has them only packed, and runs the op
-alone; on a CPU with AVX512-BF16, bfloat16 weights have two ways: ``op`` multiplies them by x
-rounded to bfloat16 (``vdpbf16ps``, twice the multiply-adds per instruction), ``op_widened``
-widens them to float32 and multiplies by x as it is (the AVX-512 path).
+alone. On a CPU with AVX512-BF16 and VNNI (the op's ``avx512_bf16`` path) those have two
+ways: ``op`` multiplies bfloat16 weights by x rounded to bfloat16 (``vdpbf16ps``: two
+multiply-adds a lane per instruction) and int8 weights by x quantized to 8 bits per row
+(``vpdpbusd``: four), ``op_widened`` widens the weights to float32 in registers and multiplies
+by x as it is (the AVX-512 path).
 
 The same Python function makes all three, so they compute the same expression and differ
 only in float rounding (summation order).
@@ -47,7 +49,7 @@ if TYPE_CHECKING:
 ENV_SWITCH = "PADDLE_STEP_ONEDNN"
 ENV_METHOD = "PADDLE_STEP_DENSE"
 METHODS = ("eager", "op", "op_widened", "compiled")
-# The op's path for ``op_widened``: AVX-512 without the bfloat16 pair products.
+# The op's path for ``op_widened``: AVX-512 without the dot-product instructions.
 WIDENED_ISA = "avx512"
 # Timed calls of each way when a row count class first appears (after one untimed call,
 # which traces the compiled program and warms the kernels): the fastest of them counts.
@@ -406,7 +408,7 @@ def model_blocks(config: ModelConfig, all_reduce: AllReduceFn | None = None) -> 
         methods.append("compiled")
     if config.weight_format is not None:  # the weights exist only packed for the op
         methods = ["op"]
-        if config.weight_format == "bfloat16" and cpu_linear.isa() == "avx512_bf16":
+        if cpu_linear.isa() == "avx512_bf16":  # dot products on x in 16 or 8 bits
             methods.append("op_widened")
     hidden, head_dim, eps = config.hidden_size, config.head_dim, config.rms_eps
     q_width = config.num_heads * head_dim
