@@ -132,7 +132,7 @@ def test_duplicate_in_pool():
     state = valid_state()
     state["free_list"][2] = 13
     message = violations(state)
-    assert "block 13 is in the pool twice: free_list[0] and free_list[2]" in message
+    assert "block 13 is in free_list twice: free_list[0] and free_list[2]" in message
     assert "decoder block 15 is lost" in message
 
 
@@ -217,7 +217,7 @@ def test_stale_need_block_list_after_step():
     [
         (0, "slot 0 is in step_block_list[1] but is_block_step is false"),
         (9, "step_block_list[1] is 9, expected a slot id in [0, 4)"),
-        (1, "slot 1 is in step_block_list twice (again at position 1)"),
+        (1, "slot 1 is in step_block_list twice: step_block_list[0] and step_block_list[1]"),
     ],
     ids=["not-preempted", "not-a-slot", "twice"],
 )
