@@ -10,7 +10,8 @@ The machine, on 1 thread and on every core the process may run on:
   chains on the op's widest vectors), the best of 40 short samples; a multiply-add
   counts 2.
 
-The products, float32, ``y = x @ W`` for M = 1, 8, 32 rows, at Qwen2.5-0.5B's dimensions:
+The products ``y = x @ W`` for M = 1, 8, 32 rows, at Qwen2.5-0.5B's dimensions (weight
+bytes in float32; half in bfloat16, a quarter in int8):
 
 - ``mlp_up``: [M, 896] x [896, 4864] (17.4 MB of weights), cycling through enough copies
   that every call reads its weights from memory, not from the last-level cache;
@@ -18,21 +19,26 @@ The products, float32, ``y = x @ W`` for M = 1, 8, 32 rows, at Qwen2.5-0.5B's di
   [896, 896], fused gate/up [896, 9728], down [4864, 896]: 59.6 MB), cycling through copies;
 - ``lm_head``: the tied LM head [M, 896] x [896, 151936] (545 MB).
 
-Each is timed as our op (weights packed once), as ``paddle.matmul`` on the same threads,
-and as a plain read of the same packed weights (``cpu_read_sum``), the three interleaved
-call by call (a machine shared with other jobs changes its bandwidth from one second to
-the next): the median of the repeats, in ms. Weight GB/s = weight bytes / time;
-% bandwidth = the read's time over the op's (the share of the bandwidth the op got from
-the same bytes at the same moments); GFLOP/s = 2 M K N / time; % peak = that over the
-matmul peak of the same thread count. The targets: M <= 8 at >= 80% of the bandwidth,
-M = 32 at >= 50% of the peak.
+Each is timed as our op (weights packed once, in ``--format``: float32, bfloat16 or int8),
+as a baseline on the same threads (float32: ``paddle.matmul``; bfloat16 and int8 on a CPU
+with AVX512-BF16 and VNNI: the op with the weights widened to float32, the AVX-512 path,
+against its default dot products on x in bfloat16 or 8 bits), and as a plain read of the
+same packed weights (``cpu_read_sum``), the three interleaved call by call (a machine shared
+with other jobs changes its bandwidth from one second to the next): the median of the
+repeats, in ms. Weight GB/s = weight bytes / time; % bandwidth = the read's time over the
+op's (the share of the bandwidth the op got from the same bytes at the same moments);
+GFLOP/s = 2 M K N / time; % peak = that over the float32 matmul peak of the same thread
+count (the dot products of bfloat16 and int8 do 2 and 4 multiply-adds a lane, so they can
+pass 100%). The targets: M <= 8 at >= 80% of the bandwidth, M = 32 at >= 50% of the peak.
 
 Usage: bench_cpu_linear.py [--quick] [--json] [--threads 1,2] [--repeats N]
+                           [--format float32|bfloat16|int8]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import statistics
@@ -52,6 +58,7 @@ from paddle.base import core  # noqa: E402
 import paddle_step_ops as _library  # noqa: E402
 from paddle_step.engine.cpu_threads import available_cores  # noqa: E402
 from paddle_step.layers import cpu_linear  # noqa: E402
+from paddle_step.layers.dense_blocks import WIDENED_ISA  # noqa: E402
 
 ROWS = (1, 8, 32)
 HIDDEN, INTERMEDIATE, QKV, VOCAB = 896, 4864, 1152, 151936
@@ -124,7 +131,14 @@ class Product:
     """Copies of one product's weights (a list of [K, N] shapes run in sequence), as
     paddle tensors and packed for the op."""
 
-    def __init__(self, name: str, shapes: list[tuple[int, int]], copies: int, seed: int):
+    def __init__(
+        self,
+        name: str,
+        shapes: list[tuple[int, int]],
+        copies: int,
+        seed: int,
+        weight_format: str = "float32",
+    ):
         rng = np.random.default_rng(seed)
         self.name, self.shapes = name, shapes
         self.tensors = [
@@ -134,8 +148,10 @@ class Product:
             ]
             for _ in range(copies)
         ]
-        self.packed = [[cpu_linear.pack_float32(w) for w in ws] for ws in self.tensors]
-        self.weight_bytes = 4 * sum(k * n for k, n in shapes)
+        self.packed = [[cpu_linear.pack(w, weight_format) for w in ws] for ws in self.tensors]
+        if weight_format != "float32":
+            self.tensors = None  # only eager reads them
+        self.weight_bytes = sum(packed_bytes(w) for w in self.packed[0])
         self.flops_per_row = 2 * sum(k * n for k, n in shapes)
 
     def timer(self, way: str, rows: int):
@@ -156,11 +172,32 @@ class Product:
             for (k, _), w in zip(self.shapes, next_copy(self.tensors)):
                 paddle.matmul(inputs[k], w)
 
+        def widened():
+            for (k, _), w in zip(self.shapes, next_copy(self.packed)):
+                cpu_linear.linear(inputs[k], w, isa=WIDENED_ISA)
+
         def read():
             for w in next_copy(self.packed):
                 _library.cpu_read_sum(w.weights)
 
-        return {"op": op, "eager": eager, "read": read}[way]
+        return {"op": op, "eager": eager, "widened": widened, "read": read}[way]
+
+
+def packed_bytes(packed: cpu_linear.PackedWeights) -> int:
+    """The bytes of packed weights and their scales."""
+    size = {"float32": 4, "bfloat16": 2, "int8": 1}[packed.format]
+    total = size * math.prod(packed.weights.shape)
+    if packed.scales is not None:
+        total += 4 * math.prod(packed.scales.shape)
+    return total
+
+
+def baseline_way(weight_format: str) -> str | None:
+    """What the op is compared with: eager for float32, the widened path for packed
+    formats where the op's default is a dot-product path (None: nothing to compare)."""
+    if weight_format == "float32":
+        return "eager"
+    return "widened" if cpu_linear.isa() == "avx512_bf16" else None
 
 
 def copies_beyond(cache_bytes: int, weight_bytes: int) -> int:
@@ -179,9 +216,10 @@ def measure(args) -> dict:
     for seed, (name, shapes) in enumerate(
         (("mlp_up", mlp), ("layer", layer), ("lm_head", [(HIDDEN, vocab)]))
     ):
-        bytes_ = 4 * sum(k * n for k, n in shapes)
+        element = {"float32": 4, "bfloat16": 2, "int8": 1}[args.format]
+        bytes_ = element * sum(k * n for k, n in shapes)
         copies = 1 if name == "lm_head" and not args.quick else copies_beyond(llc, bytes_)
-        products.append(Product(name, shapes, copies, seed))
+        products.append(Product(name, shapes, copies, seed, args.format))
 
     limits, results = {}, []
     for threads in args.threads:
@@ -190,12 +228,14 @@ def measure(args) -> dict:
             for rows in args.rows:
                 repeats = max(3, args.repeats // 2) if product.name == "lm_head" else args.repeats
                 row = {"threads": threads, "product": product.name, "M": rows}
-                ways = ("op", "eager", "read")
+                baseline = baseline_way(args.format)
+                timed = ("op", baseline) if baseline else ("op",)
                 medians = interleaved_medians(
-                    {way: product.timer(way, rows) for way in ways}, repeats
+                    {way: product.timer(way, rows) for way in (*timed, "read")}, repeats
                 )
                 row["read_ms"] = medians["read"] * 1e3
-                for way in ("op", "eager"):
+                row["baseline"] = baseline
+                for way in timed:
                     seconds = medians[way]
                     gflop_s = rows * product.flops_per_row / seconds / 1e9
                     row[way] = {
@@ -205,7 +245,8 @@ def measure(args) -> dict:
                         "gflop_s": gflop_s,
                         "peak_share": gflop_s / limits[threads]["peak_gflop_s"],
                     }
-                row["eager_over_op"] = row["eager"]["ms"] / row["op"]["ms"]
+                if baseline:
+                    row["baseline_over_op"] = row[baseline]["ms"] / row["op"]["ms"]
                 if rows <= 8:
                     row["target"] = f">= {BANDWIDTH_TARGET:.0%} of bandwidth"
                     row["met"] = row["op"]["bandwidth_share"] >= BANDWIDTH_TARGET
@@ -217,6 +258,7 @@ def measure(args) -> dict:
         "env": {
             "cpu": cpu_model(),
             "isa": cpu_linear.isa(),
+            "format": args.format,
             "cores": available_cores(),
             "last_level_cache_mib": llc / (1 << 20),
             "paddle": paddle.__version__,
@@ -245,7 +287,8 @@ def print_report(report: dict) -> None:
     env = report["env"]
     llc = env["last_level_cache_mib"]
     print(f"CPU: {env['cpu']} ({env['cores']} cores, path {env['isa']}, "
-          f"last-level cache {llc:.0f} MiB), paddle {env['paddle']}")  # fmt: skip
+          f"last-level cache {llc:.0f} MiB), paddle {env['paddle']}; weights in "
+          f"{env['format']}")  # fmt: skip
     for threads, limits in report["machine"].items():
         print(f"{threads} thread(s): read bandwidth {limits['read_gb_s']:.1f} GB/s, "
               f"matmul peak {limits['peak_gflop_s']:.1f} GFLOP/s")  # fmt: skip
@@ -253,7 +296,8 @@ def print_report(report: dict) -> None:
         print(f"{name}: {product['shapes']}, {product['weight_mb']:.1f} MB, "
               f"{product['copies']} copies")  # fmt: skip
     print()
-    print("| threads | product | M | op ms | eager ms | eager/op | read ms | op GB/s "
+    name = report["results"][0]["baseline"] if report["results"] else None
+    print(f"| threads | product | M | op ms | {name} ms | {name}/op | read ms | op GB/s "
           "| % bandwidth | op GFLOP/s | % peak | target |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in report["results"]:
@@ -261,8 +305,12 @@ def print_report(report: dict) -> None:
         target = ""
         if "target" in row:
             target = f"{row['target']}: {'met' if row['met'] else 'SHORT'}"
+        baseline, ratio = "-", "-"
+        if row["baseline"]:
+            baseline = f"{row[row['baseline']]['ms']:.3f}"
+            ratio = f"{row['baseline_over_op']:.2f}x"
         print(f"| {row['threads']} | {row['product']} | {row['M']} | {op['ms']:.3f} | "
-              f"{row['eager']['ms']:.3f} | {row['eager_over_op']:.2f}x | {row['read_ms']:.3f} | "
+              f"{baseline} | {ratio} | {row['read_ms']:.3f} | "
               f"{op['weight_gb_s']:.1f} | {op['bandwidth_share']:.0%} | {op['gflop_s']:.1f} | "
               f"{op['peak_share']:.0%} | {target} |")  # fmt: skip
 
@@ -275,6 +323,8 @@ def parse_args(argv=None):
                         "(default: 1 and every core)")  # fmt: skip
     parser.add_argument("--rows", default=None, help="row counts (default 1,8,32)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per figure")
+    parser.add_argument("--format", default="float32", choices=cpu_linear.FORMATS,
+                        help="the weights' format (default float32)")  # fmt: skip
     args = parser.parse_args(argv)
     cores = available_cores()
     args.threads = (

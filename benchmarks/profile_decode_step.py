@@ -19,7 +19,7 @@ block with ``paddle.matmul`` (as before the CPU op), ``--dense auto`` as shipped
 runs the fastest way measured: our op, eager or compiled).
 
 Usage: profile_decode_step.py CHECKPOINT [--batches 1,8] [--steps N] [--threads N]
-                              [--dense auto|eager|op|compiled] [--json]
+                              [--dense auto|eager|op|op_widened|compiled] [--json]
 """
 
 from __future__ import annotations
@@ -132,7 +132,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None, help="default: every core")
-    parser.add_argument("--dense", default="auto", choices=("auto", "eager", "op", "compiled"))
+    parser.add_argument(
+        "--dense", default="auto", choices=("auto", "eager", "op", "op_widened", "compiled")
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     os.environ["PADDLE_STEP_DENSE"] = args.dense  # read when the model's blocks are made

@@ -257,6 +257,20 @@ inline void Panels(const LinearProblem& p, int64_t begin, int64_t end) {
 
 }  // namespace scalar_path
 
+// The one of three (a path's kernels for each format) that `format` runs.
+template <typename T>
+inline T ForFormat(WeightFormat format, T float32, T bfloat16, T int8) {
+  switch (format) {
+    case WeightFormat::kBFloat16:
+      return bfloat16;
+    case WeightFormat::kInt8:
+      return int8;
+    case WeightFormat::kFloat32:
+      break;
+  }
+  return float32;
+}
+
 // Panels [begin, end) in tiles of up to max_rows rows of x, each panel's
 // tiles one after another (its weights stay in cache between them):
 // tiles[rows](p, panel, first row), tiles[0] unused.
@@ -495,11 +509,10 @@ inline void Panels(const LinearProblem& p, int64_t begin, int64_t end) {
     RowTiles(p, begin, end, TileInt8GroupedTable(), kGroupedRows);
     return;
   }
-  const TileFunction* tiles =
-      p.w.format == WeightFormat::kFloat32    ? TileFloat32Table()
-      : p.w.format == WeightFormat::kBFloat16 ? TileBFloat16Table()
-                                              : TileInt8Table();
-  RowTiles(p, begin, end, tiles, kRows);
+  RowTiles(p, begin, end,
+           ForFormat(p.w.format, TileFloat32Table(), TileBFloat16Table(),
+                     TileInt8Table()),
+           kRows);
 }
 
 }  // namespace avx512_path
@@ -937,20 +950,16 @@ PADDLE_STEP_AVX2_TABLES(TileInt8)
 #undef PADDLE_STEP_AVX2_TABLES
 
 inline void Panels(const LinearProblem& p, int64_t begin, int64_t end) {
-  const bool f32 = p.w.format == WeightFormat::kFloat32;
-  const bool bf16 = p.w.format == WeightFormat::kBFloat16;
   if (p.m <= kWideRows) {
-    const TileFunction* tiles = f32    ? TileFloat32Wide()
-                                : bf16 ? TileBFloat16Wide()
-                                       : TileInt8Wide();
+    const TileFunction* tiles = ForFormat(p.w.format, TileFloat32Wide(),
+                                          TileBFloat16Wide(), TileInt8Wide());
     for (int64_t panel = begin; panel < end; ++panel) {
       tiles[p.m](p, panel, 0, 0);
     }
     return;
   }
-  const TileFunction* tiles = f32    ? TileFloat32Narrow()
-                              : bf16 ? TileBFloat16Narrow()
-                                     : TileInt8Narrow();
+  const TileFunction* tiles = ForFormat(p.w.format, TileFloat32Narrow(),
+                                        TileBFloat16Narrow(), TileInt8Narrow());
   for (int64_t panel = begin; panel < end; ++panel) {
     for (int64_t column = 0; column < kPanelWidth; column += 16) {
       if (panel * kPanelWidth + column >= p.w.n) break;  // all padding
