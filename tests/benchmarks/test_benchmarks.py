@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -116,6 +118,22 @@ def test_bench_cpu_linear_quick_json():
         for product in ("mlp_up", "layer", "lm_head")
         for rows in (1, 8, 32)
     }
+
+
+@pytest.mark.parametrize("weight_format", ["bfloat16", "int8"])
+def test_bench_cpu_linear_packed_formats(weight_format):
+    """Packed weights are compared with their widened path where the op's default is a
+    dot-product path (avx512_bf16), with nothing elsewhere; bytes are the format's."""
+    report = run_json("bench_cpu_linear.py", "--threads", "1", "--format", weight_format)
+    assert report["env"]["format"] == weight_format
+    expected = "widened" if report["env"]["isa"] == "avx512_bf16" else None
+    for row in report["results"]:
+        assert row["baseline"] == expected and row["op"]["ms"] > 0 and row["read_ms"] > 0
+        if expected:
+            assert row["widened"]["ms"] > 0
+    megabytes = report["config"]["products"]["mlp_up"]["weight_mb"]
+    per_weight = {"bfloat16": 2, "int8": 1}[weight_format]
+    assert per_weight * 896 * 1024 / 1e6 <= megabytes < (per_weight + 0.1) * 896 * 1024 / 1e6
 
 
 def test_bench_sampler_quick_json():
