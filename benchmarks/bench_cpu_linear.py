@@ -186,9 +186,8 @@ class Product:
                 cpu_linear.linear(inputs[k], w, isa=WIDENED_ISA)
 
         def read():
-            for arrays in next_copy(self.raw):
-                for array in arrays:
-                    _library.cpu_read_sum(array)
+            for array in next_copy(self.raw):
+                _library.cpu_read_sum(array)
 
         return {"op": op, "eager": eager, "widened": widened, "read": read}[way]
 
