@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_attention_ops.h"
 #include "cpu_linear_ops.h"
 #include "paddle/utils/pybind.h"
 #include "paddle_step_ops.h"
@@ -126,6 +127,16 @@ PYBIND11_MODULE(paddle_step_ops, module) {
              pybind11::arg("name"));
   module.def("cpu_linear_isa", &paddle_step::CpuLinearIsa);
   module.def("cpu_linear_best_isa", &paddle_step::CpuLinearBestIsa);
+  module.def("cpu_write_kv", &paddle_step::CpuWriteKv,
+             pybind11::arg("key_cache"), pybind11::arg("value_cache"),
+             pybind11::arg("layer"), pybind11::arg("slots"), pybind11::arg("k"),
+             pybind11::arg("v"));
+  module.def("cpu_decode_attention", &paddle_step::CpuDecodeAttention,
+             pybind11::arg("q"), pybind11::arg("key_cache"),
+             pybind11::arg("value_cache"), pybind11::arg("layer"),
+             pybind11::arg("block_tables"), pybind11::arg("rows"),
+             pybind11::arg("positions"), pybind11::arg("block_size"),
+             pybind11::arg("scale"));
   module.def("cpu_read_sum", &paddle_step::CpuReadSum, pybind11::arg("data"));
   module.def("cpu_fma_rate", &paddle_step::CpuFmaRate,
              pybind11::arg("iterations"));

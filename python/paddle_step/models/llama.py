@@ -362,6 +362,26 @@ class LlamaForCausalLM(nn.Layer):
         scores = scores + mask
         return paddle.matmul(nn.functional.softmax(scores, axis=-1), values.unsqueeze(2))
 
+    def _decode_attention(
+        self,
+        layer: int,
+        q: paddle.Tensor,
+        kv_cache: PagedKVCache,
+        key_rows: paddle.Tensor,
+        mask: paddle.Tensor,
+    ) -> paddle.Tensor:
+        """Decode tokens' attention over a gathered copy of their keys (a cache without
+        ``uses_cpu_ops``): ``q`` [Td, H, D], ``key_rows`` from ``head_major_rows``,
+        ``mask`` [Td, 1, 1, 1, K]. Returns [Td, H * D]."""
+        cfg = self.config
+        keys, values = kv_cache.gather_head_major(layer, key_rows)  # [Td, KVH, K, D]
+        # Each token is its own query batch of one, over its own key set; with one query
+        # per token, [Td, H, D] is [Td, KVH, G, 1, D] by a reshape.
+        groups = cfg.num_heads // cfg.num_kv_heads
+        q = q.reshape([-1, cfg.num_kv_heads, groups, 1, cfg.head_dim])
+        out = self._attention(q, keys, values, mask)
+        return out.reshape([out.shape[0], -1])
+
     def _additive_mask(self, visible: paddle.Tensor) -> paddle.Tensor:
         """0 where ``visible`` (bool), -inf elsewhere: added to the scores, made once per
         step for every layer (an add instead of a where and a fill per layer)."""
@@ -491,6 +511,7 @@ class LlamaForCausalLM(nn.Layer):
                 decode_tokens = paddle.to_tensor(layout.decode_tokens.astype(np.int64))
                 decode_positions = paddle.gather(positions, decode_tokens)
                 decode_rows = paddle.gather(token_rows, decode_tokens)
+        if layout.decode_tokens.size and not kv_cache.uses_cpu_ops:
             key_positions = paddle.arange(max_context_len, dtype="int64").unsqueeze(0)
             key_slots = slots_through_table(
                 paddle.gather(block_tables, decode_rows),
@@ -527,13 +548,16 @@ class LlamaForCausalLM(nn.Layer):
                     out = out.transpose([0, 3, 1, 2, 4]).reshape([chunk_rows * chunk_width, -1])
                     outputs.append(paddle.gather(out, layout.chunk_unpad_index))
                 if layout.decode_tokens.size:
-                    keys, values = kv_cache.gather_head_major(layer, key_rows)  # [Td, KVH, K, D]
-                    # Each token is its own query batch of one, over its own key set; with
-                    # one query per token, [Td, H, D] is [Td, KVH, G, 1, D] by a reshape.
                     decode_q = paddle.gather(q, decode_tokens) if layout.is_mixed else q
-                    decode_q = decode_q.reshape([-1, cfg.num_kv_heads, groups, 1, cfg.head_dim])
-                    out = self._attention(decode_q, keys, values, decode_mask)
-                    outputs.append(out.reshape([out.shape[0], -1]))
+                    if kv_cache.uses_cpu_ops:
+                        outputs.append(kv_cache.decode_attention(
+                            layer, decode_q, block_tables, decode_rows, decode_positions,
+                            1.0 / math.sqrt(cfg.head_dim),
+                        ))  # fmt: skip
+                    else:
+                        outputs.append(self._decode_attention(
+                            layer, decode_q, kv_cache, key_rows, decode_mask
+                        ))  # fmt: skip
                 if layout.is_mixed:
                     return paddle.gather(paddle.concat(outputs), layout.restore_order)
                 return outputs[0]
