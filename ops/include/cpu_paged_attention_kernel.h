@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -118,7 +119,7 @@ void WeightedValues(const T* weights, int64_t group, const T* value,
 
 #ifdef PADDLE_STEP_ATTENTION_X86
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,fma")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
 namespace attention_avx512 {
 
 // Lanes of the last, partial vector of a head_dim row.
@@ -136,14 +137,109 @@ inline void Scores(const float* q, int64_t group, const float* key,
     const float* k = key + slots[j] * stride;
     for (int64_t h = 0; h < group; ++h) {
       const float* qh = q + h * head_dim;
-      __m512 dot = _mm512_setzero_ps();
-      for (int64_t i = 0; i < vectors; ++i) {
-        const __mmask16 lanes = i + 1 == vectors ? tail : __mmask16(0xFFFF);
-        dot = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, qh + 16 * i),
-                              _mm512_maskz_loadu_ps(lanes, k + 16 * i), dot);
+      // Two accumulators: half the chain of dependent additions.
+      __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+      int64_t i = 0;
+      for (; i + 2 < vectors; i += 2) {
+        even = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i),
+                               _mm512_loadu_ps(k + 16 * i), even);
+        odd = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i + 16),
+                              _mm512_loadu_ps(k + 16 * i + 16), odd);
       }
-      scores[h * count + j] = _mm512_reduce_add_ps(dot) * scale;
+      for (; i < vectors; ++i) {
+        const __mmask16 lanes = i + 1 == vectors ? tail : __mmask16(0xFFFF);
+        even = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, qh + 16 * i),
+                               _mm512_maskz_loadu_ps(lanes, k + 16 * i), even);
+      }
+      scores[h * count + j] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd)) * scale;
     }
+  }
+}
+
+// e^x per lane, for x <= 0 (softmax after the shift by the maximum): x =
+// n ln 2 + r with |r| <= ln(2) / 2, e^r by its Taylor polynomial to r^7 / 7!
+// (relative error below 2^-24 on that interval), times 2^n. Below -87 the
+// result is within a float32 ulp of 0 against the row's largest weight 1.
+inline __m512 Exp(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline void SoftmaxRows(float* scores, int64_t group, int64_t count) {
+  const int64_t whole = count / 16 * 16;
+  const __mmask16 tail = TailMask(count);
+  for (int64_t h = 0; h < group; ++h) {
+    float* row = scores + h * count;
+    __m512 largest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < whole; j += 16) {
+      largest = _mm512_max_ps(largest, _mm512_loadu_ps(row + j));
+    }
+    if (whole < count) {
+      largest = _mm512_mask_max_ps(largest, tail, largest,
+                                   _mm512_maskz_loadu_ps(tail, row + whole));
+    }
+    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(largest));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < whole; j += 16) {
+      const __m512 e = Exp(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift));
+      _mm512_storeu_ps(row + j, e);
+      total = _mm512_add_ps(total, e);
+    }
+    if (whole < count) {
+      const __m512 e = _mm512_maskz_mov_ps(
+          tail, Exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + whole), shift)));
+      _mm512_mask_storeu_ps(row + whole, tail, e);
+      total = _mm512_add_ps(total, e);
+    }
+    const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+    for (int64_t j = 0; j < whole; j += 16) {
+      _mm512_storeu_ps(row + j, _mm512_mul_ps(_mm512_loadu_ps(row + j), inverse));
+    }
+    if (whole < count) {
+      _mm512_mask_storeu_ps(
+          row + whole, tail,
+          _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, row + whole), inverse));
+    }
+  }
+}
+
+// Columns [16 * first, 16 * (first + kVectors)) of each head's output, in
+// kVectors registers across all the keys.
+template <int kVectors>
+void WeightedColumns(const float* weights, int64_t group, const float* value,
+                     const int64_t* slots, int64_t count, int64_t stride,
+                     int64_t head_dim, int64_t first, __mmask16 last_lanes,
+                     float* out) {
+  for (int64_t h = 0; h < group; ++h) {
+    const float* w = weights + h * count;
+    __m512 acc[kVectors];
+    for (int i = 0; i < kVectors; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < count; ++j) {
+      const float* v = value + slots[j] * stride + 16 * first;
+      const __m512 wj = _mm512_set1_ps(w[j]);
+      for (int i = 0; i + 1 < kVectors; ++i) {
+        acc[i] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(v + 16 * i), acc[i]);
+      }
+      acc[kVectors - 1] = _mm512_fmadd_ps(
+          wj, _mm512_maskz_loadu_ps(last_lanes, v + 16 * (kVectors - 1)),
+          acc[kVectors - 1]);
+    }
+    float* o = out + h * head_dim + 16 * first;
+    for (int i = 0; i + 1 < kVectors; ++i) _mm512_storeu_ps(o + 16 * i, acc[i]);
+    _mm512_mask_storeu_ps(o + 16 * (kVectors - 1), last_lanes, acc[kVectors - 1]);
   }
 }
 
@@ -151,20 +247,19 @@ inline void WeightedValues(const float* weights, int64_t group,
                            const float* value, const int64_t* slots,
                            int64_t count, int64_t stride, int64_t head_dim,
                            float* out) {
+  using Columns = void (*)(const float*, int64_t, const float*, const int64_t*,
+                           int64_t, int64_t, int64_t, int64_t, __mmask16, float*);
+  static constexpr Columns kColumns[] = {
+      WeightedColumns<1>, WeightedColumns<2>, WeightedColumns<3>,
+      WeightedColumns<4>, WeightedColumns<5>, WeightedColumns<6>,
+      WeightedColumns<7>, WeightedColumns<8>};
   const int64_t vectors = (head_dim + 15) / 16;
-  const __mmask16 tail = TailMask(head_dim);
-  for (int64_t h = 0; h < group; ++h) {
-    const float* w = weights + h * count;
-    for (int64_t i = 0; i < vectors; ++i) {
-      const __mmask16 lanes = i + 1 == vectors ? tail : __mmask16(0xFFFF);
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t j = 0; j < count; ++j) {
-        const float* v = value + slots[j] * stride + 16 * i;
-        sum = _mm512_fmadd_ps(_mm512_set1_ps(w[j]),
-                              _mm512_maskz_loadu_ps(lanes, v), sum);
-      }
-      _mm512_mask_storeu_ps(out + h * head_dim + 16 * i, lanes, sum);
-    }
+  for (int64_t first = 0; first < vectors; first += 8) {
+    const int64_t chunk = std::min<int64_t>(8, vectors - first);
+    const __mmask16 lanes =
+        first + chunk == vectors ? TailMask(head_dim) : __mmask16(0xFFFF);
+    kColumns[chunk - 1](weights, group, value, slots, count, stride, head_dim,
+                        first, lanes, out);
   }
 }
 
@@ -190,14 +285,94 @@ inline void Scores(const float* q, int64_t group, const float* key,
     const float* k = key + slots[j] * stride;
     for (int64_t h = 0; h < group; ++h) {
       const float* qh = q + h * head_dim;
-      __m256 dot = _mm256_setzero_ps();
-      for (int64_t d = 0; d < whole; d += 8) {
-        dot = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(k + d), dot);
+      __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+      int64_t d = 0;
+      for (; d + 16 <= whole; d += 16) {
+        even = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(k + d), even);
+        odd = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d + 8),
+                              _mm256_loadu_ps(k + d + 8), odd);
       }
-      float sum = HorizontalSum(dot);
-      for (int64_t d = whole; d < head_dim; ++d) sum += qh[d] * k[d];
+      for (; d < whole; d += 8) {
+        even = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(k + d), even);
+      }
+      float sum = HorizontalSum(_mm256_add_ps(even, odd));
+      for (; d < head_dim; ++d) sum += qh[d] * k[d];
       scores[h * count + j] = sum * scale;
     }
+  }
+}
+
+// As attention_avx512::Exp, with 2^n put into the exponent bits (n >= -126
+// after the clamp, so the result is a normal float).
+inline __m256 Exp(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(
+      _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i exponent = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+}
+
+inline void SoftmaxRows(float* scores, int64_t group, int64_t count) {
+  const int64_t whole = count / 8 * 8;
+  for (int64_t h = 0; h < group; ++h) {
+    float* row = scores + h * count;
+    float largest = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < count; ++j) largest = std::max(largest, row[j]);
+    const __m256 shift = _mm256_set1_ps(largest);
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t j = 0; j < whole; j += 8) {
+      const __m256 e = Exp(_mm256_sub_ps(_mm256_loadu_ps(row + j), shift));
+      _mm256_storeu_ps(row + j, e);
+      total = _mm256_add_ps(total, e);
+    }
+    float sum = HorizontalSum(total);
+    if (whole < count) {
+      alignas(32) float rest[8];
+      for (int64_t j = 0; j < 8; ++j) {
+        rest[j] = whole + j < count ? row[whole + j] - largest : -87.0f;
+      }
+      _mm256_store_ps(rest, Exp(_mm256_load_ps(rest)));
+      for (int64_t j = whole; j < count; ++j) {
+        row[j] = rest[j - whole];
+        sum += row[j];
+      }
+    }
+    const float inverse = 1.0f / sum;
+    for (int64_t j = 0; j < count; ++j) row[j] *= inverse;
+  }
+}
+
+// Columns [8 * first, 8 * (first + kVectors)) of each head's output (all
+// whole vectors), in kVectors registers across all the keys.
+template <int kVectors>
+void WeightedColumns(const float* weights, int64_t group, const float* value,
+                     const int64_t* slots, int64_t count, int64_t stride,
+                     int64_t head_dim, int64_t first, float* out) {
+  for (int64_t h = 0; h < group; ++h) {
+    const float* w = weights + h * count;
+    __m256 acc[kVectors];
+    for (int i = 0; i < kVectors; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < count; ++j) {
+      const float* v = value + slots[j] * stride + 8 * first;
+      const __m256 wj = _mm256_set1_ps(w[j]);
+      for (int i = 0; i < kVectors; ++i) {
+        acc[i] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(v + 8 * i), acc[i]);
+      }
+    }
+    float* o = out + h * head_dim + 8 * first;
+    for (int i = 0; i < kVectors; ++i) _mm256_storeu_ps(o + 8 * i, acc[i]);
   }
 }
 
@@ -205,24 +380,23 @@ inline void WeightedValues(const float* weights, int64_t group,
                            const float* value, const int64_t* slots,
                            int64_t count, int64_t stride, int64_t head_dim,
                            float* out) {
-  const int64_t whole = head_dim / 8 * 8;
-  for (int64_t h = 0; h < group; ++h) {
+  using Columns = void (*)(const float*, int64_t, const float*, const int64_t*,
+                           int64_t, int64_t, int64_t, int64_t, float*);
+  static constexpr Columns kColumns[] = {
+      WeightedColumns<1>, WeightedColumns<2>, WeightedColumns<3>,
+      WeightedColumns<4>, WeightedColumns<5>, WeightedColumns<6>,
+      WeightedColumns<7>, WeightedColumns<8>};
+  const int64_t vectors = head_dim / 8;
+  for (int64_t first = 0; first < vectors; first += 8) {
+    kColumns[std::min<int64_t>(8, vectors - first) - 1](
+        weights, group, value, slots, count, stride, head_dim, first, out);
+  }
+  for (int64_t h = 0; h < group; ++h) {  // columns past the last whole vector
     const float* w = weights + h * count;
-    float* o = out + h * head_dim;
-    for (int64_t d = 0; d < whole; d += 8) {
-      __m256 sum = _mm256_setzero_ps();
-      for (int64_t j = 0; j < count; ++j) {
-        sum = _mm256_fmadd_ps(_mm256_set1_ps(w[j]),
-                              _mm256_loadu_ps(value + slots[j] * stride + d), sum);
-      }
-      _mm256_storeu_ps(o + d, sum);
-    }
-    for (int64_t d = whole; d < head_dim; ++d) {
+    for (int64_t d = vectors * 8; d < head_dim; ++d) {
       float sum = 0;
-      for (int64_t j = 0; j < count; ++j) {
-        sum += w[j] * value[slots[j] * stride + d];
-      }
-      o[d] = sum;
+      for (int64_t j = 0; j < count; ++j) sum += w[j] * value[slots[j] * stride + d];
+      out[h * head_dim + d] = sum;
     }
   }
 }
@@ -230,6 +404,8 @@ inline void WeightedValues(const float* weights, int64_t group,
 }  // namespace attention_avx2
 #pragma GCC pop_options
 #endif  // PADDLE_STEP_ATTENTION_X86
+
+namespace attention_scalar {
 
 // Softmax of each of the `group` rows of `count` scores, in place.
 template <typename T>
@@ -246,6 +422,8 @@ void SoftmaxRows(T* scores, int64_t group, int64_t count) {
     for (int64_t j = 0; j < count; ++j) row[j] *= inverse;
   }
 }
+
+}  // namespace attention_scalar
 
 // Working memory of one thread: the visible slots and the scores.
 template <typename T>
@@ -279,14 +457,14 @@ void AttendGroup(Isa isa, const DecodeAttentionProblem<T, Table>& p, int64_t t,
     if (isa >= Isa::kAvx512) {
       attention_avx512::Scores(q, group, key, slots.data(), count, stride,
                                p.head_dim, p.scale, s);
-      SoftmaxRows(s, group, count);
+      attention_avx512::SoftmaxRows(s, group, count);
       attention_avx512::WeightedValues(s, group, value, slots.data(), count,
                                        stride, p.head_dim, out);
       done = true;
     } else if (isa == Isa::kAvx2) {
       attention_avx2::Scores(q, group, key, slots.data(), count, stride,
                              p.head_dim, p.scale, s);
-      SoftmaxRows(s, group, count);
+      attention_avx2::SoftmaxRows(s, group, count);
       attention_avx2::WeightedValues(s, group, value, slots.data(), count,
                                      stride, p.head_dim, out);
       done = true;
@@ -297,7 +475,7 @@ void AttendGroup(Isa isa, const DecodeAttentionProblem<T, Table>& p, int64_t t,
   if (!done) {
     attention_scalar::Scores(q, group, key, slots.data(), count, stride,
                              p.head_dim, p.scale, s);
-    SoftmaxRows(s, group, count);
+    attention_scalar::SoftmaxRows(s, group, count);
     attention_scalar::WeightedValues(s, group, value, slots.data(), count,
                                      stride, p.head_dim, out);
   }
