@@ -53,17 +53,6 @@ void CheckIndexVector(const char* name, const paddle::Tensor& tensor,
   kCheck.DenseCpu(name, tensor);
 }
 
-template <typename T>
-void WriteKvTyped(paddle::Tensor& key_cache, paddle::Tensor& value_cache,
-                  const CacheShape& shape, int64_t layer, const int64_t* slots,
-                  int64_t count, const paddle::Tensor& k,
-                  const paddle::Tensor& v) {
-  const int64_t row = shape.kv_heads * shape.head_dim;
-  const int64_t offset = layer * shape.num_slots * row;
-  cpu::WriteKv(k.data<T>(), v.data<T>(), slots, count, row,
-               key_cache.data<T>() + offset, value_cache.data<T>() + offset);
-}
-
 template <typename T, typename Table>
 paddle::Tensor AttendTyped(cpu::DecodeAttentionProblem<T, Table> problem,
                            const CacheShape& shape, int64_t layer,
@@ -123,17 +112,11 @@ void CheckTableBlocks(const Table* tables, int64_t width, const int64_t* rows,
 
 }  // namespace
 
-void CpuWriteKv(paddle::Tensor& key_cache, paddle::Tensor& value_cache,
-                int64_t layer, const paddle::Tensor& slots,
-                const paddle::Tensor& k, const paddle::Tensor& v) {
+void WriteKvRows(paddle::Tensor& key_cache, paddle::Tensor& value_cache,
+                 int64_t layer, const paddle::Tensor& slots, const void* k,
+                 const void* v, int64_t count, int64_t stride) {
   const CacheShape shape = CheckCaches(key_cache, value_cache, layer);
-  const int64_t count = ViewOf(slots).rank == 1 ? ViewOf(slots).dims[0] : -1;
   CheckIndexVector("slots", slots, count);
-  for (const auto& [name, tensor] : {std::pair{"k", &k}, std::pair{"v", &v}}) {
-    kCheck.Dtype(name, ViewOf(*tensor), {key_cache.dtype()});
-    kCheck.Shape(name, ViewOf(*tensor), {count, shape.kv_heads, shape.head_dim});
-    kCheck.DenseCpu(name, *tensor);
-  }
   const int64_t* slot = slots.data<int64_t>();
   for (int64_t i = 0; i < count; ++i) {
     if (slot[i] < -1 || slot[i] >= shape.num_slots) {
@@ -142,11 +125,31 @@ void CpuWriteKv(paddle::Tensor& key_cache, paddle::Tensor& value_cache,
                   std::to_string(slot[i]) + " at index " + std::to_string(i));
     }
   }
+  const int64_t row = shape.kv_heads * shape.head_dim;
+  const int64_t offset = layer * shape.num_slots * row;
   if (key_cache.dtype() == paddle::DataType::FLOAT32) {
-    WriteKvTyped<float>(key_cache, value_cache, shape, layer, slot, count, k, v);
+    cpu::WriteKv(static_cast<const float*>(k), static_cast<const float*>(v),
+                 stride, slot, count, row, key_cache.data<float>() + offset,
+                 value_cache.data<float>() + offset);
   } else {
-    WriteKvTyped<double>(key_cache, value_cache, shape, layer, slot, count, k, v);
+    cpu::WriteKv(static_cast<const double*>(k), static_cast<const double*>(v),
+                 stride, slot, count, row, key_cache.data<double>() + offset,
+                 value_cache.data<double>() + offset);
   }
+}
+
+void CpuWriteKv(paddle::Tensor& key_cache, paddle::Tensor& value_cache,
+                int64_t layer, const paddle::Tensor& slots,
+                const paddle::Tensor& k, const paddle::Tensor& v) {
+  const CacheShape shape = CheckCaches(key_cache, value_cache, layer);
+  const int64_t count = ViewOf(k).rank == 3 ? ViewOf(k).dims[0] : -1;
+  for (const auto& [name, tensor] : {std::pair{"k", &k}, std::pair{"v", &v}}) {
+    kCheck.Dtype(name, ViewOf(*tensor), {key_cache.dtype()});
+    kCheck.Shape(name, ViewOf(*tensor), {count, shape.kv_heads, shape.head_dim});
+    kCheck.DenseCpu(name, *tensor);
+  }
+  WriteKvRows(key_cache, value_cache, layer, slots, k.data(), v.data(), count,
+              shape.kv_heads * shape.head_dim);
 }
 
 paddle::Tensor CpuDecodeAttention(const paddle::Tensor& q,
@@ -162,8 +165,22 @@ paddle::Tensor CpuDecodeAttention(const paddle::Tensor& q,
   kCheck.Dtype("q", q_view, {key_cache.dtype()});
   kCheck.Shape("q", q_view, {-1, -1, shape.head_dim});
   kCheck.DenseCpu("q", q);
-  const int64_t tokens = q_view.dims[0];
   const int64_t heads = q_view.dims[1];
+  return DecodeAttentionRows(q.data(), q_view.dims[0], heads * shape.head_dim,
+                             heads, key_cache, value_cache, layer, block_tables,
+                             rows, positions, block_size, scale);
+}
+
+paddle::Tensor DecodeAttentionRows(const void* q, int64_t tokens,
+                                   int64_t q_stride, int64_t heads,
+                                   const paddle::Tensor& key_cache,
+                                   const paddle::Tensor& value_cache,
+                                   int64_t layer,
+                                   const paddle::Tensor& block_tables,
+                                   const paddle::Tensor& rows,
+                                   const paddle::Tensor& positions,
+                                   int64_t block_size, double scale) {
+  const CacheShape shape = CheckCaches(key_cache, value_cache, layer);
   if (heads < shape.kv_heads || heads % shape.kv_heads != 0) {
     kCheck.Fail("q", "a multiple of the cache's " +
                          std::to_string(shape.kv_heads) + " KV heads",
@@ -200,7 +217,7 @@ paddle::Tensor CpuDecodeAttention(const paddle::Tensor& q,
     CheckTableBlocks(tables, width, rows.data<int64_t>(), tokens, table_rows,
                      num_blocks);
     cpu::DecodeAttentionProblem<T, Table> problem;
-    problem.q = q.data<T>();
+    problem.q = static_cast<const T*>(q);
     problem.key = key_cache.data<T>();
     problem.value = value_cache.data<T>();
     problem.tables = tables;
@@ -211,11 +228,12 @@ paddle::Tensor CpuDecodeAttention(const paddle::Tensor& q,
     problem.head_dim = shape.head_dim;
     problem.table_width = width;
     problem.block_size = block_size;
+    problem.q_stride = q_stride;
     problem.scale = static_cast<T>(scale);
-    return AttendTyped(problem, shape, layer, tokens, q.dtype());
+    return AttendTyped(problem, shape, layer, tokens, key_cache.dtype());
   };
   const bool wide_table = block_tables.dtype() == paddle::DataType::INT64;
-  if (q.dtype() == paddle::DataType::FLOAT32) {
+  if (key_cache.dtype() == paddle::DataType::FLOAT32) {
     return wide_table ? run(0.0f, block_tables.data<int64_t>())
                       : run(0.0f, block_tables.data<int32_t>());
   }

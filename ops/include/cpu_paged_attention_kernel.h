@@ -27,30 +27,27 @@
 #include <vector>
 
 #include "cpu_isa.h"
+#include "cpu_vector_exp.h"
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define PADDLE_STEP_ATTENTION_X86 1
-#endif
 
 namespace paddle_step::cpu {
 
-// Writes k[i], v[i] ([count, row] each, row = kv_heads * head_dim) at
-// slots[i] of one layer's caches ([num_slots, row]); slot -1 writes nothing.
-// The caller checks every slot is < num_slots.
+// Writes k[i], v[i] (rows of `row` = kv_heads * head_dim values, `stride`
+// apart) at slots[i] of one layer's caches ([num_slots, row]); slot -1 writes
+// nothing. The caller checks every slot is < num_slots.
 template <typename T>
-void WriteKv(const T* k, const T* v, const int64_t* slots, int64_t count,
-             int64_t row, T* key_cache, T* value_cache) {
+void WriteKv(const T* k, const T* v, int64_t stride, const int64_t* slots,
+             int64_t count, int64_t row, T* key_cache, T* value_cache) {
   for (int64_t i = 0; i < count; ++i) {
     if (slots[i] < 0) continue;
-    std::memcpy(key_cache + slots[i] * row, k + i * row, row * sizeof(T));
-    std::memcpy(value_cache + slots[i] * row, v + i * row, row * sizeof(T));
+    std::memcpy(key_cache + slots[i] * row, k + i * stride, row * sizeof(T));
+    std::memcpy(value_cache + slots[i] * row, v + i * stride, row * sizeof(T));
   }
 }
 
 template <typename T, typename Table>
 struct DecodeAttentionProblem {
-  const T* q;            // [tokens, heads, head_dim]
+  const T* q;            // [tokens, heads, head_dim], tokens q_stride apart
   const T* key;          // one layer: [num_slots, kv_heads, head_dim]
   const T* value;        // likewise
   const Table* tables;   // [rows, table_width] block ids, -1 unused
@@ -62,6 +59,7 @@ struct DecodeAttentionProblem {
   int64_t head_dim = 0;
   int64_t table_width = 0;
   int64_t block_size = 0;
+  int64_t q_stride = 0;
   T scale = 1;
 };
 
@@ -117,7 +115,7 @@ void WeightedValues(const T* weights, int64_t group, const T* value,
 
 }  // namespace attention_scalar
 
-#ifdef PADDLE_STEP_ATTENTION_X86
+#ifdef PADDLE_STEP_VECTOR_EXP_X86
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
 namespace attention_avx512 {
@@ -156,28 +154,6 @@ inline void Scores(const float* q, int64_t group, const float* key,
   }
 }
 
-// e^x per lane, for x <= 0 (softmax after the shift by the maximum): x =
-// n ln 2 + r with |r| <= ln(2) / 2, e^r by its Taylor polynomial to r^7 / 7!
-// (relative error below 2^-24 on that interval), times 2^n. Below -87 the
-// result is within a float32 ulp of 0 against the row's largest weight 1.
-inline __m512 Exp(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(
-      _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
 inline void SoftmaxRows(float* scores, int64_t group, int64_t count) {
   const int64_t whole = count / 16 * 16;
   const __mmask16 tail = TailMask(count);
@@ -194,13 +170,13 @@ inline void SoftmaxRows(float* scores, int64_t group, int64_t count) {
     const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(largest));
     __m512 total = _mm512_setzero_ps();
     for (int64_t j = 0; j < whole; j += 16) {
-      const __m512 e = Exp(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift));
+      const __m512 e = ExpAvx512(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift));
       _mm512_storeu_ps(row + j, e);
       total = _mm512_add_ps(total, e);
     }
     if (whole < count) {
       const __m512 e = _mm512_maskz_mov_ps(
-          tail, Exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + whole), shift)));
+          tail, ExpAvx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + whole), shift)));
       _mm512_mask_storeu_ps(row + whole, tail, e);
       total = _mm512_add_ps(total, e);
     }
@@ -302,28 +278,6 @@ inline void Scores(const float* q, int64_t group, const float* key,
   }
 }
 
-// As attention_avx512::Exp, with 2^n put into the exponent bits (n >= -126
-// after the clamp, so the result is a normal float).
-inline __m256 Exp(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(
-      _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 5040);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i exponent = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
-}
-
 inline void SoftmaxRows(float* scores, int64_t group, int64_t count) {
   const int64_t whole = count / 8 * 8;
   for (int64_t h = 0; h < group; ++h) {
@@ -333,7 +287,7 @@ inline void SoftmaxRows(float* scores, int64_t group, int64_t count) {
     const __m256 shift = _mm256_set1_ps(largest);
     __m256 total = _mm256_setzero_ps();
     for (int64_t j = 0; j < whole; j += 8) {
-      const __m256 e = Exp(_mm256_sub_ps(_mm256_loadu_ps(row + j), shift));
+      const __m256 e = ExpAvx2(_mm256_sub_ps(_mm256_loadu_ps(row + j), shift));
       _mm256_storeu_ps(row + j, e);
       total = _mm256_add_ps(total, e);
     }
@@ -343,7 +297,7 @@ inline void SoftmaxRows(float* scores, int64_t group, int64_t count) {
       for (int64_t j = 0; j < 8; ++j) {
         rest[j] = whole + j < count ? row[whole + j] - largest : -87.0f;
       }
-      _mm256_store_ps(rest, Exp(_mm256_load_ps(rest)));
+      _mm256_store_ps(rest, ExpAvx2(_mm256_load_ps(rest)));
       for (int64_t j = whole; j < count; ++j) {
         row[j] = rest[j - whole];
         sum += row[j];
@@ -403,7 +357,7 @@ inline void WeightedValues(const float* weights, int64_t group,
 
 }  // namespace attention_avx2
 #pragma GCC pop_options
-#endif  // PADDLE_STEP_ATTENTION_X86
+#endif  // PADDLE_STEP_VECTOR_EXP_X86
 
 namespace attention_scalar {
 
@@ -441,7 +395,7 @@ void AttendGroup(Isa isa, const DecodeAttentionProblem<T, Table>& p, int64_t t,
   const int64_t group = p.heads / p.kv_heads;
   const int64_t count = static_cast<int64_t>(slots.size());
   const int64_t stride = p.kv_heads * p.head_dim;
-  const T* q = p.q + (t * p.heads + g * group) * p.head_dim;
+  const T* q = p.q + t * p.q_stride + g * group * p.head_dim;
   const T* key = p.key + g * p.head_dim;
   const T* value = p.value + g * p.head_dim;
   T* out = p.out + (t * p.heads + g * group) * p.head_dim;
@@ -452,7 +406,7 @@ void AttendGroup(Isa isa, const DecodeAttentionProblem<T, Table>& p, int64_t t,
   scores->resize(group * count);
   T* s = scores->data();
   bool done = false;
-#ifdef PADDLE_STEP_ATTENTION_X86
+#ifdef PADDLE_STEP_VECTOR_EXP_X86
   if constexpr (std::is_same_v<T, float>) {
     if (isa >= Isa::kAvx512) {
       attention_avx512::Scores(q, group, key, slots.data(), count, stride,

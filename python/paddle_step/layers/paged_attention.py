@@ -133,7 +133,6 @@ class PagedKVCache:
         v = paddle.gather(self.value[layer].reshape([-1, head_dim]), flat)
         return k.reshape([*rows.shape, head_dim]), v.reshape([*rows.shape, head_dim])
 
-
     def decode_attention(
         self,
         layer: int,

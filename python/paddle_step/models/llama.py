@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import paddle
+import paddle_step_ops
 from paddle import nn
 
 from ..config import ModelConfig
@@ -215,6 +217,44 @@ class DecoderLayer(nn.Layer):
             *_present(self.o_bias),
         )
 
+    def forward_decode(
+        self,
+        x: paddle.Tensor,
+        rope: tuple[paddle.Tensor, paddle.Tensor],
+        kv_cache: PagedKVCache,
+        index: int,
+        batch: DecodeBatch,
+    ) -> paddle.Tensor:
+        """``forward`` over decode tokens only, as one call of our CPU op (which writes
+        their K/V into layer ``index`` of ``kv_cache`` and attends through their block-table
+        rows): for a float32 cache with ``uses_cpu_ops`` and blocks that
+        ``fuse_layers``."""
+        w_qkv, qkv_bias, w_o, w_gate_up, w_down = self._dense_weights()
+        cfg = self.config
+
+        def product(weight: DenseWeight, bias: paddle.Tensor | None = None) -> tuple:
+            packed = weight.packed
+            return (packed.weights, packed.scales, bias, packed.n, packed.group_size)
+
+        cos, sin = rope
+        return paddle_step_ops.cpu_decoder_layer(
+            x, self.attn_norm.weight, product(w_qkv, qkv_bias), product(w_o, self.o_bias),
+            self.mlp_norm.weight, product(w_gate_up), product(w_down), cfg.num_heads,
+            cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps, cos.reshape([-1, cfg.head_dim]),
+            sin.reshape([-1, cfg.head_dim]), kv_cache.key, kv_cache.value, index,
+            batch.slots, batch.block_tables, batch.rows, batch.positions, kv_cache.block_size,
+        )  # fmt: skip
+
+
+class DecodeBatch(NamedTuple):
+    """A step of decode tokens only, for ``DecoderLayer.forward_decode``: each token's
+    cache slot, block-table row and position ([T] int64), and the block tables."""
+
+    slots: paddle.Tensor
+    block_tables: paddle.Tensor
+    rows: paddle.Tensor
+    positions: paddle.Tensor
+
 
 class LlamaForCausalLM(nn.Layer):
     """Llama-style decoder (inference only), with seeded random weights or given ones.
@@ -333,17 +373,22 @@ class LlamaForCausalLM(nn.Layer):
         self,
         input_ids: paddle.Tensor,
         positions: paddle.Tensor,
-        attend_for_layer: Callable[[int], AttendFn],
+        attend_for_layer: Callable[[int], AttendFn] | None,
+        decode: tuple[PagedKVCache, DecodeBatch] | None = None,
     ) -> paddle.Tensor:
         """Hidden states [T, hidden] of the tokens ``input_ids`` [T], before the final norm
-        (``_logits`` applies it, to the rows it needs)."""
+        (``_logits`` applies it, to the rows it needs). With ``decode`` (a cache and a step
+        of decode tokens only), each layer runs as ``DecoderLayer.forward_decode``."""
         if self._embedding is None:
             x = paddle.gather(self.embed, input_ids)
         else:
             x = cpu_linear.columns(self._embedding.packed, input_ids)
         rope = self._rope(positions)
         for index, layer in enumerate(self.layers):
-            x = layer(x, rope, attend_for_layer(index))
+            if decode is not None:
+                x = layer.forward_decode(x, rope, decode[0], index, decode[1])
+            else:
+                x = layer(x, rope, attend_for_layer(index))
         return x
 
     def _attention(
@@ -483,6 +528,17 @@ class LlamaForCausalLM(nn.Layer):
         tokens (prompt logprobs), as a pair.
         """
         layout = PrefillLayout(positions.numpy(), token_rows.numpy())
+        tokens = positions.shape[0]
+        if (
+            layout.num_rows == 0
+            and layout.num_chunk_rows == 0
+            and kv_cache.uses_cpu_ops
+            and self.config.dtype == "float32"
+            and self.blocks.fuse_layers(tokens)
+        ):
+            batch = DecodeBatch(slot_mapping, block_tables, token_rows, positions)
+            hidden = self._run_layers(input_ids, positions, None, (kv_cache, batch))
+            return self._logits_of(hidden, last_token_index, extra_index)
         kept_slots = KeptSlots(slot_mapping)
         cfg = self.config
         groups = cfg.num_heads // cfg.num_kv_heads
@@ -565,6 +621,15 @@ class LlamaForCausalLM(nn.Layer):
             return attend
 
         hidden = self._run_layers(input_ids, positions, paged_attention_for)
+        return self._logits_of(hidden, last_token_index, extra_index)
+
+    def _logits_of(
+        self,
+        hidden: paddle.Tensor,
+        last_token_index: paddle.Tensor,
+        extra_index: paddle.Tensor | None,
+    ) -> paddle.Tensor | tuple[paddle.Tensor, paddle.Tensor]:
+        """``forward_paged``'s result from the hidden states of its tokens."""
         last_hidden = paddle.gather(hidden, paddle.clip(last_token_index, min=0))
         logits = self._logits(last_hidden)
         no_token = last_token_index < 0
