@@ -5,9 +5,9 @@ import math
 
 import numpy as np
 import paddle
-import paddle_step_ops
 import pytest
 
+import paddle_step_ops
 from paddle_step.layers import cpu_linear
 from paddle_step.layers.paged_attention import PagedKVCache
 
@@ -187,7 +187,8 @@ def _args(**changes):
          "argument 'block_tables': expected block ids < 3"),
         ({"rows": paddle.to_tensor([0, 2])}, "argument 'rows': expected entries in [0, 2)"),
         ({"positions": paddle.to_tensor([5, -1])}, "argument 'positions': expected entries >= 0"),
-        ({"rows": paddle.to_tensor([0, 1], dtype="int32")}, "argument 'rows': expected dtype int64"),
+        ({"rows": paddle.to_tensor([0, 1], dtype="int32")},
+         "argument 'rows': expected dtype int64"),
         ({"key_cache": paddle.zeros([2, 12, 2, 8]).transpose([0, 2, 1, 3])},
          "argument 'key_cache'"),
     ],

@@ -47,8 +47,12 @@ def decode_step(model, fused: bool, monkeypatch) -> tuple[np.ndarray, np.ndarray
     calls = []
     layer_op = llama.paddle_step_ops.cpu_decoder_layer
     monkeypatch.setattr(ModelBlocks, "fuse_layers", lambda self, rows: fused)
-    monkeypatch.setattr(llama.paddle_step_ops, "cpu_decoder_layer",
-                        lambda *args, **kwargs: calls.append(1) or layer_op(*args, **kwargs))  # fmt: skip
+
+    def counted_layer_op(*args, **kwargs):
+        calls.append(1)
+        return layer_op(*args, **kwargs)
+
+    monkeypatch.setattr(llama.paddle_step_ops, "cpu_decoder_layer", counted_layer_op)
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     prompts = [rng.integers(0, vocab, n).tolist() for n in (9, 17, 0, 4)]

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 import paddle
+
 import paddle_step_ops as _library
 
 if TYPE_CHECKING:

@@ -24,8 +24,9 @@ from typing import NamedTuple
 
 import numpy as np
 import paddle
-import paddle_step_ops
 from paddle import nn
+
+import paddle_step_ops
 
 from ..config import ModelConfig
 from ..layers import cpu_linear
