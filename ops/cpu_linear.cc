@@ -16,6 +16,7 @@
 #include "cpu_linear_kernel.h"
 #include "cpu_linear_ops.h"
 #include "cpu_read_sum.h"
+#include "cpu_runtime.h"
 #include "cpu_thread_pool.h"
 #include "input_checks.h"
 
@@ -77,26 +78,6 @@ CpuLinearState& State() {
   return state;
 }
 
-// A plain row-major array: what the kernels index. Strides are checked where
-// the tensor has them (a strided view); a tensor without them is dense.
-void CheckDenseCpu(const char* name, const paddle::Tensor& tensor) {
-  if (!tensor.is_cpu()) {
-    kCheck.Fail(name, "a CPU tensor", "a tensor on " + PlaceString(tensor));
-  }
-  const auto& dims = tensor.dims();
-  const auto& strides = tensor.strides();
-  if (strides.size() != dims.size()) return;
-  int64_t expected = 1;
-  for (int i = dims.size() - 1; i >= 0; --i) {
-    if (dims[i] != 1 && strides[i] != expected) {
-      kCheck.Fail(name, "a contiguous tensor",
-                  "strides " + ShapeString(strides.Get(), strides.size()) +
-                      " for shape " + ShapeString(dims.Get(), dims.size()));
-    }
-    expected *= dims[i];
-  }
-}
-
 // The distance between the rows of a CPU matrix whose rows are contiguous (a
 // column slice of a wider one is fine: no copy).
 int64_t RowStride(const char* name, const paddle::Tensor& matrix) {
@@ -121,7 +102,7 @@ void CheckMatrix(const char* name, const paddle::Tensor& w,
   const TensorView view = ViewOf(w);
   kCheck.Dtype(name, view, dtypes);
   kCheck.Shape(name, view, {-1, -1});
-  CheckDenseCpu(name, w);
+  kCheck.DenseCpu(name, w);
   if (view.dims[0] < 1 || view.dims[1] < 1) {
     kCheck.Fail(name, "a matrix [K, N] with K, N >= 1",
                 "shape " + ShapeString(view.dims, view.rank));
@@ -229,7 +210,7 @@ paddle::Tensor CpuLinear(const paddle::Tensor& x, const paddle::Tensor& weights,
     kCheck.Shape("weights", ViewOf(weights),
                  {panels, panel_rows, cpu::kPanelWidth});
   }
-  CheckDenseCpu("weights", weights);
+  kCheck.DenseCpu("weights", weights);
 
   cpu::LinearProblem problem;
   if (format == cpu::WeightFormat::kInt8) {
@@ -241,7 +222,7 @@ paddle::Tensor CpuLinear(const paddle::Tensor& x, const paddle::Tensor& weights,
     kCheck.Dtype("scales", scales_view, {paddle::DataType::FLOAT32});
     kCheck.Shape("scales", scales_view,
                  {panels, cpu::GroupCount(k, group_size), cpu::kPanelWidth});
-    CheckDenseCpu("scales", *scales);
+    kCheck.DenseCpu("scales", *scales);
     problem.w.scales = scales->data<float>();
     problem.w.group_size = group_size;
   } else if (scales) {
@@ -253,7 +234,7 @@ paddle::Tensor CpuLinear(const paddle::Tensor& x, const paddle::Tensor& weights,
     const TensorView bias_view = ViewOf(*bias);
     kCheck.Dtype("bias", bias_view, {paddle::DataType::FLOAT32});
     kCheck.Shape("bias", bias_view, {n});
-    CheckDenseCpu("bias", *bias);
+    kCheck.DenseCpu("bias", *bias);
     problem.bias = bias->data<float>();
   }
 
@@ -304,7 +285,7 @@ double CpuReadSum(const paddle::Tensor& data) {
   CpuLinearState& state = State();
   const TensorView view = ViewOf(data);
   kCheck.Dtype("data", view, {paddle::DataType::FLOAT32});
-  CheckDenseCpu("data", data);
+  kCheck.DenseCpu("data", data);
   const float* values = data.data<float>();
   const int64_t count = data.numel();
   // Chunks of whole cache lines, one per thread.
@@ -338,6 +319,14 @@ double CpuFmaRate(int64_t iterations) {
     if (results[task] != results[task]) return 0.0;  // uses the results
   }
   return total / elapsed.count();
+}
+
+cpu::ThreadPool& CpuThreadPool() { return State().pool; }
+
+cpu::Isa CpuActiveIsa() {
+  const CpuLinearState& state = State();
+  if (!state.isa_error.empty()) throw std::invalid_argument(state.isa_error);
+  return state.isa;
 }
 
 }  // namespace paddle_step

@@ -34,7 +34,7 @@ paddle::Tensor CpuLinear(const paddle::Tensor& x, const paddle::Tensor& weights,
                          const paddle::optional<paddle::Tensor>& scales,
                          const paddle::optional<paddle::Tensor>& bias,
                          int64_t n, int64_t group_size,
-                         const std::string& isa);
+                         const std::string& isa = "");
 
 // Threads a product runs on (the caller's included); at least 1.
 void CpuLinearSetNumThreads(int64_t threads);

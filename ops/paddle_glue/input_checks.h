@@ -152,6 +152,27 @@ class InputChecker {
     }
   }
 
+  // A CPU tensor in plain row-major order: what the CPU kernels index.
+  // Strides are checked where the tensor has them (a strided view); a tensor
+  // without them is dense.
+  void DenseCpu(const char* name, const paddle::Tensor& tensor) const {
+    if (!tensor.is_cpu()) {
+      Fail(name, "a CPU tensor", "a tensor on " + PlaceString(tensor));
+    }
+    const auto& dims = tensor.dims();
+    const auto& strides = tensor.strides();
+    if (strides.size() != dims.size()) return;
+    int64_t expected = 1;
+    for (int i = dims.size() - 1; i >= 0; --i) {
+      if (dims[i] != 1 && strides[i] != expected) {
+        Fail(name, "a contiguous tensor",
+             "strides " + ShapeString(strides.Get(), strides.size()) +
+                 " for shape " + ShapeString(dims.Get(), dims.size()));
+      }
+      expected *= dims[i];
+    }
+  }
+
   void Positive(const char* argument, int64_t value) const {
     if (value <= 0) {
       Fail(argument, "a positive integer", std::to_string(value));

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, TypedDict
 import numpy as np
 import paddle
 
+import paddle_step_ops as _library
+
 if TYPE_CHECKING:
     from ..config import ModelConfig
 
@@ -36,11 +38,21 @@ class KeptSlots:
         return x if self._index is None else paddle.gather(x, self._index)
 
 
+def _dense(x: paddle.Tensor) -> paddle.Tensor:
+    """``x`` in plain row-major order (a split or slice may be a strided view)."""
+    return x if x.is_contiguous() else x.contiguous()
+
+
 class PagedKVCache:
     """K and V of every layer, stored by slot (``slot = block_id * block_size + offset``).
 
     ``key`` and ``value`` have shape [num_layers, num_blocks * block_size, num_kv_heads,
     head_dim]; a sequence's tokens live in whichever blocks its block-table row names.
+
+    A float32 or float64 cache on the CPU is written and read by our CPU ops
+    (``ops/cpu_paged_attention.cc``): each decode token's attention reads its keys and
+    values in place, through its block-table row. Elsewhere the writes are index puts
+    and attention reads a gathered copy (``head_major_rows``, ``gather_head_major``).
     """
 
     def __init__(
@@ -61,6 +73,10 @@ class PagedKVCache:
         shape = [num_layers, num_blocks * block_size, num_kv_heads, head_dim]
         self.key = paddle.zeros(shape, dtype=dtype)
         self.value = paddle.zeros(shape, dtype=dtype)
+        self.uses_cpu_ops = self.key.place.is_cpu_place() and self.key.dtype in (
+            paddle.float32,
+            paddle.float64,
+        )
 
     @classmethod
     def for_config(cls, config: ModelConfig, num_blocks: int, block_size: int) -> PagedKVCache:
@@ -90,6 +106,10 @@ class PagedKVCache:
         """``write`` with the kept entries found beforehand (once per step, for every layer)."""
         if kept.count == 0:
             return
+        if self.uses_cpu_ops:
+            _library.cpu_write_kv(self.key, self.value, layer, kept.slots,
+                                  _dense(kept.select(k)), _dense(kept.select(v)))  # fmt: skip
+            return
         layer_index = paddle.full_like(kept.slots, layer)
         paddle.index_put_(self.key, (layer_index, kept.slots), kept.select(k))
         paddle.index_put_(self.value, (layer_index, kept.slots), kept.select(v))
@@ -113,6 +133,24 @@ class PagedKVCache:
         k = paddle.gather(self.key[layer].reshape([-1, head_dim]), flat)
         v = paddle.gather(self.value[layer].reshape([-1, head_dim]), flat)
         return k.reshape([*rows.shape, head_dim]), v.reshape([*rows.shape, head_dim])
+
+    def decode_attention(
+        self,
+        layer: int,
+        q: paddle.Tensor,
+        block_tables: paddle.Tensor,
+        rows: paddle.Tensor,
+        positions: paddle.Tensor,
+        scale: float,
+    ) -> paddle.Tensor:
+        """Attention of decode tokens ``q`` [T, heads, head_dim] over their own sequences'
+        keys in ``layer``: token t reads row ``rows[t]`` of ``block_tables`` at positions
+        ``0 .. positions[t]`` (columns past the table or holding -1 have no key). Returns
+        [T, heads * head_dim]. Only for a cache with ``uses_cpu_ops``."""
+        return _library.cpu_decode_attention(
+            _dense(q), self.key, self.value, layer, _dense(block_tables), rows, positions,
+            self.block_size, scale,
+        )  # fmt: skip
 
 
 def slots_through_table(
@@ -152,6 +190,7 @@ def build_flat_batch(
     seq_lens_decoder: paddle.Tensor,
     block_tables: paddle.Tensor,
     block_size: int,
+    on_host: bool | None = None,
 ) -> FlatBatch:
     """Flatten one step of slot-indexed (FastDeploy-style) state for ``forward_paged``.
 
@@ -160,8 +199,16 @@ def build_flat_batch(
     then by position. ``seq_lens_*`` may be [B] or [B, 1], any integer dtype.
 
     Reads the token count back to the host (the flat length is data-dependent) and raises
-    ``ValueError`` if no row has a token.
+    ``ValueError`` if no row has a token. On the CPU the index arithmetic runs in NumPy on
+    the small per-row vectors (a few microseconds, against some twenty Paddle ops on
+    [B, width]); ``on_host`` forces either way (the tests compare them).
     """
+    if on_host is None:
+        on_host = input_ids.place.is_cpu_place()
+    if on_host:
+        return _flat_batch_on_host(
+            input_ids, seq_lens_this_time, seq_lens_decoder, block_tables, block_size
+        )
     batch, width = input_ids.shape
     lens = seq_lens_this_time.reshape([-1]).astype("int64")
     starts = seq_lens_decoder.reshape([-1]).astype("int64")
@@ -193,6 +240,49 @@ def build_flat_batch(
         last_token_index=last_token_index,
         block_tables=block_tables,
         max_context_len=int(paddle.max(paddle.where(lens > 0, starts + lens, lens))),
+    )
+
+
+def _flat_batch_on_host(
+    input_ids: paddle.Tensor,
+    seq_lens_this_time: paddle.Tensor,
+    seq_lens_decoder: paddle.Tensor,
+    block_tables: paddle.Tensor,
+    block_size: int,
+) -> FlatBatch:
+    """``build_flat_batch`` with its index arithmetic in NumPy."""
+    batch, width = input_ids.shape
+    lens = seq_lens_this_time.numpy().reshape(-1).astype(np.int64)
+    starts = seq_lens_decoder.numpy().reshape(-1).astype(np.int64)
+    if lens.shape[0] != batch or starts.shape[0] != batch or block_tables.shape[0] != batch:
+        raise ValueError(
+            "input_ids, seq_lens_this_time, seq_lens_decoder and block_tables must have the "
+            f"same batch size, got {batch}, {lens.shape[0]}, {starts.shape[0]} and "
+            f"{block_tables.shape[0]}"
+        )
+    lens = np.clip(lens, 0, width)  # as the [B, width] mask of the Paddle path
+    token_rows = np.repeat(np.arange(batch, dtype=np.int64), lens)
+    if token_rows.size == 0:
+        raise ValueError("build_flat_batch: no row has tokens this step")
+    ends = np.cumsum(lens)
+    columns = np.arange(token_rows.size, dtype=np.int64) - np.repeat(ends - lens, lens)
+    positions = starts[token_rows] + columns
+    tables = block_tables.numpy()
+    table_columns = positions // block_size
+    in_table = table_columns < tables.shape[1]
+    blocks = tables[token_rows, np.minimum(table_columns, tables.shape[1] - 1)].astype(np.int64)
+    slot_mapping = np.where(
+        in_table & (blocks >= 0), blocks * block_size + positions % block_size, -1
+    )
+    flat_ids = paddle.to_tensor(token_rows * width + columns)
+    return FlatBatch(
+        input_ids=paddle.gather(input_ids.flatten(), flat_ids).astype("int64"),
+        positions=paddle.to_tensor(positions),
+        slot_mapping=paddle.to_tensor(slot_mapping),
+        token_rows=paddle.to_tensor(token_rows),
+        last_token_index=paddle.to_tensor(np.where(lens > 0, ends - 1, -1)),
+        block_tables=block_tables,
+        max_context_len=int(np.max(np.where(lens > 0, starts + lens, lens))),
     )
 
 
