@@ -59,17 +59,19 @@ pybind11::list StepPaddleTensorTable() {
   return table;
 }
 
-// (weights, scales or None, bias or None, n, group_size): a product as
-// layers/cpu_linear.py describes it.
+// (weights, scales or None, bias or None, n, group_size[, isa]): a product as
+// layers/cpu_linear.py describes it, and the path it runs on ("" or left out:
+// the process's).
 paddle_step::PackedLinear PackedLinearOf(const pybind11::tuple& linear) {
-  if (linear.size() != 5) {
+  if (linear.size() != 5 && linear.size() != 6) {
     throw std::invalid_argument(
         "cpu_decoder_layer: expected a product as (weights, scales, bias, n, "
-        "group_size), got a tuple of " + std::to_string(linear.size()));
+        "group_size[, isa]), got a tuple of " + std::to_string(linear.size()));
   }
   return {linear[0].cast<paddle::Tensor>(), OptionalTensor(linear[1]),
           OptionalTensor(linear[2]), linear[3].cast<int64_t>(),
-          linear[4].cast<int64_t>()};
+          linear[4].cast<int64_t>(),
+          linear.size() == 6 ? linear[5].cast<std::string>() : std::string()};
 }
 
 }  // namespace

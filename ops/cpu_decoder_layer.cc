@@ -28,7 +28,7 @@ void CheckFloatMatrix(const char* name, const paddle::Tensor& tensor,
 
 paddle::Tensor Product(const paddle::Tensor& x, const PackedLinear& linear) {
   return CpuLinear(x, linear.weights, linear.scales, linear.bias, linear.n,
-                   linear.group_size);
+                   linear.group_size, linear.isa);
 }
 
 // Heads [first, first + count) of each row of the q/k/v product [T, width],

@@ -3,18 +3,20 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "paddle/extension.h"
 
 namespace paddle_step {
 
-// A product's packed weights and bias, as CpuLinear takes them.
+// A product's packed weights and bias, and its path, as CpuLinear takes them.
 struct PackedLinear {
   paddle::Tensor weights;
   paddle::optional<paddle::Tensor> scales;
   paddle::optional<paddle::Tensor> bias;
   int64_t n = 0;
   int64_t group_size = 0;
+  std::string isa;  // "": the process's path
 };
 
 struct DecoderLayerWeights {

@@ -98,3 +98,39 @@ def test_layers_fuse_only_where_both_blocks_run_the_op():
     assert not blocks.fuse_layers(3)
     blocks.output_and_mlp.choice[rows_class] = "op"
     assert blocks.fuse_layers(3)
+
+
+@pytest.mark.parametrize("weight_format", ["bfloat16", "int8"])
+@pytest.mark.parametrize("way", ["op", "op_widened"])
+def test_fused_products_run_the_way_the_blocks_keep(weight_format, way, monkeypatch):
+    """Packed weights where the op has dot products (avx512_bf16): a fused layer's products
+    run the way both blocks keep (``op_path``), so the fused step equals the blocks' step
+    (the other way's activations are rounded differently: off by far more than this)."""
+    if cpu_linear.best_isa() != "avx512_bf16":
+        pytest.skip("packed weights have one way below avx512_bf16")
+    monkeypatch.setenv("PADDLE_STEP_DENSE", way)
+    config = ModelConfig(**{**CONFIGS["biases-odd"].__dict__, "weight_format": weight_format})
+    model = LlamaForCausalLM(config)
+    assert model.blocks.fuse_layers(1)
+    assert model.blocks.op_path(1) == ("avx512" if way == "op_widened" else "")
+    logits, key, value = decode_step(model, True, monkeypatch)
+    expected_logits, expected_key, expected_value = decode_step(model, False, monkeypatch)
+    np.testing.assert_allclose(logits, expected_logits, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(key, expected_key, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(value, expected_value, rtol=1e-5, atol=1e-6)
+
+
+def test_layers_fuse_where_both_blocks_keep_the_same_op_way():
+    blocks = LlamaForCausalLM(ModelConfig(seed=1)).blocks
+    rows_class = padded_rows(3)
+    for first, second, fused in (
+        ("op_widened", "op_widened", True),
+        ("op", "op_widened", False),
+        ("op_widened", "eager", False),
+    ):
+        blocks.attention_inputs.choice[rows_class] = first
+        blocks.output_and_mlp.choice[rows_class] = second
+        assert blocks.fuse_layers(3) is fused, (first, second)
+    assert blocks.op_path(3) == ""  # the blocks differ
+    blocks.output_and_mlp.choice[rows_class] = "op_widened"
+    assert blocks.op_path(3) == "avx512"

@@ -51,6 +51,7 @@ ENV_METHOD = "PADDLE_STEP_DENSE"
 METHODS = ("eager", "op", "op_widened", "compiled")
 # The op's path for ``op_widened``: AVX-512 without the dot-product instructions.
 WIDENED_ISA = "avx512"
+OP_WAYS = ("op", "op_widened")
 # Timed calls of each way when a row count class first appears (after one untimed call,
 # which traces the compiled program and warms the kernels): the fastest of them counts.
 TIMED_CALLS = 2
@@ -325,7 +326,7 @@ class DenseBlock:
 
     def run(self, method: str, *args):
         """The block's outputs computed ``method``'s way."""
-        if method in ("op", "op_widened"):
+        if method in OP_WAYS:
             args = [arg.packed if i in self.weights else arg for i, arg in enumerate(args)]
             return self._functions[method](*args)
         args = [arg.tensor if i in self.weights else arg for i, arg in enumerate(args)]
@@ -403,14 +404,23 @@ class ModelBlocks(NamedTuple):
         """Whether the layers must hand the blocks packed weights too."""
         return any("op" in block.methods for block in self)
 
+    def layer_way(self, rows: int) -> str | None:
+        """The way both of a layer's blocks run ``rows`` rows, or None where they differ
+        or are not measured yet."""
+        ways = {block.way_for(rows) for block in (self.attention_inputs, self.output_and_mlp)}
+        return ways.pop() if len(ways) == 1 else None
+
     def fuse_layers(self, rows: int) -> bool:
         """Whether a layer's blocks over ``rows`` decode tokens may run as one CPU call
-        (``ops/cpu_decoder_layer.cc``): both run our op for that many rows (measured or
-        forced), on one rank (a tensor-parallel shard all-reduces between products)."""
-        layer_blocks = (self.attention_inputs, self.output_and_mlp)
-        return self.attention_inputs.agree is None and all(
-            block.way_for(rows) == "op" for block in layer_blocks
-        )
+        (``ops/cpu_decoder_layer.cc``): both run our op the same way for that many rows
+        (``op`` or ``op_widened``, measured or forced), on one rank (a tensor-parallel
+        shard all-reduces between products)."""
+        return self.attention_inputs.agree is None and self.layer_way(rows) in OP_WAYS
+
+    def op_path(self, rows: int) -> str:
+        """The op's path for a fused layer's products over ``rows`` rows: ``WIDENED_ISA``
+        where the blocks keep ``op_widened``, else "" (the process's path)."""
+        return WIDENED_ISA if self.layer_way(rows) == "op_widened" else ""
 
 
 def model_blocks(config: ModelConfig, all_reduce: AllReduceFn | None = None) -> ModelBlocks:

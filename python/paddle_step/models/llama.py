@@ -225,17 +225,18 @@ class DecoderLayer(nn.Layer):
         kv_cache: PagedKVCache,
         index: int,
         batch: DecodeBatch,
+        isa: str = "",
     ) -> paddle.Tensor:
         """``forward`` over decode tokens only, as one call of our CPU op (which writes
         their K/V into layer ``index`` of ``kv_cache`` and attends through their block-table
         rows): for a float32 cache with ``uses_cpu_ops`` and blocks that
-        ``fuse_layers``."""
+        ``fuse_layers``. ``isa``: the op's path for the products ("": the process's)."""
         w_qkv, qkv_bias, w_o, w_gate_up, w_down = self._dense_weights()
         cfg = self.config
 
         def product(weight: DenseWeight, bias: paddle.Tensor | None = None) -> tuple:
             packed = weight.packed
-            return (packed.weights, packed.scales, bias, packed.n, packed.group_size)
+            return (packed.weights, packed.scales, bias, packed.n, packed.group_size, isa)
 
         cos, sin = rope
         return paddle_step_ops.cpu_decoder_layer(
@@ -375,11 +376,12 @@ class LlamaForCausalLM(nn.Layer):
         input_ids: paddle.Tensor,
         positions: paddle.Tensor,
         attend_for_layer: Callable[[int], AttendFn] | None,
-        decode: tuple[PagedKVCache, DecodeBatch] | None = None,
+        decode: tuple[PagedKVCache, DecodeBatch, str] | None = None,
     ) -> paddle.Tensor:
         """Hidden states [T, hidden] of the tokens ``input_ids`` [T], before the final norm
-        (``_logits`` applies it, to the rows it needs). With ``decode`` (a cache and a step
-        of decode tokens only), each layer runs as ``DecoderLayer.forward_decode``."""
+        (``_logits`` applies it, to the rows it needs). With ``decode`` (a cache, a step of
+        decode tokens only and the op's path for their products), each layer runs as
+        ``DecoderLayer.forward_decode``."""
         if self._embedding is None:
             x = paddle.gather(self.embed, input_ids)
         else:
@@ -387,7 +389,7 @@ class LlamaForCausalLM(nn.Layer):
         rope = self._rope(positions)
         for index, layer in enumerate(self.layers):
             if decode is not None:
-                x = layer.forward_decode(x, rope, decode[0], index, decode[1])
+                x = layer.forward_decode(x, rope, decode[0], index, decode[1], decode[2])
             else:
                 x = layer(x, rope, attend_for_layer(index))
         return x
@@ -538,7 +540,8 @@ class LlamaForCausalLM(nn.Layer):
             and self.blocks.fuse_layers(tokens)
         ):
             batch = DecodeBatch(slot_mapping, block_tables, token_rows, positions)
-            hidden = self._run_layers(input_ids, positions, None, (kv_cache, batch))
+            decode = (kv_cache, batch, self.blocks.op_path(tokens))
+            hidden = self._run_layers(input_ids, positions, None, decode)
             return self._logits_of(hidden, last_token_index, extra_index)
         kept_slots = KeptSlots(slot_mapping)
         cfg = self.config
