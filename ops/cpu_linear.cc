@@ -76,51 +76,12 @@ CpuLinearState& State() {
   return state;
 }
 
-// A plain row-major array: what the kernels index. Strides are checked where
-// the tensor has them (a strided view); a tensor without them is dense.
-void CheckDenseCpu(const char* name, const paddle::Tensor& tensor) {
-  if (!tensor.is_cpu()) {
-    kCheck.Fail(name, "a CPU tensor", "a tensor on " + PlaceString(tensor));
-  }
-  const auto& dims = tensor.dims();
-  const auto& strides = tensor.strides();
-  if (strides.size() != dims.size()) return;
-  int64_t expected = 1;
-  for (int i = dims.size() - 1; i >= 0; --i) {
-    if (dims[i] != 1 && strides[i] != expected) {
-      kCheck.Fail(name, "a contiguous tensor",
-                  "strides " + ShapeString(strides.Get(), strides.size()) +
-                      " for shape " + ShapeString(dims.Get(), dims.size()));
-    }
-    expected *= dims[i];
-  }
-}
-
-// The distance between the rows of a CPU matrix whose rows are contiguous (a
-// column slice of a wider one is fine: no copy).
-int64_t RowStride(const char* name, const paddle::Tensor& matrix) {
-  if (!matrix.is_cpu()) {
-    kCheck.Fail(name, "a CPU tensor", "a tensor on " + PlaceString(matrix));
-  }
-  const auto& dims = matrix.dims();
-  const auto& strides = matrix.strides();
-  if (strides.size() != dims.size()) return dims[1];
-  const bool rows_contiguous = dims[1] == 1 || strides[1] == 1;
-  const bool rows_apart = dims[0] == 1 || strides[0] >= dims[1];
-  if (!rows_contiguous || !rows_apart) {
-    kCheck.Fail(name, "a matrix whose rows are contiguous",
-                "strides " + ShapeString(strides.Get(), strides.size()) +
-                    " for shape " + ShapeString(dims.Get(), dims.size()));
-  }
-  return dims[0] == 1 ? dims[1] : strides[0];
-}
-
 void CheckMatrix(const char* name, const paddle::Tensor& w,
                  std::initializer_list<paddle::DataType> dtypes) {
   const TensorView view = ViewOf(w);
   kCheck.Dtype(name, view, dtypes);
   kCheck.Shape(name, view, {-1, -1});
-  CheckDenseCpu(name, w);
+  kCheck.DenseCpu(name, w);
   if (view.dims[0] < 1 || view.dims[1] < 1) {
     kCheck.Fail(name, "a matrix [K, N] with K, N >= 1",
                 "shape " + ShapeString(view.dims, view.rank));
@@ -210,7 +171,7 @@ paddle::Tensor CpuLinear(const paddle::Tensor& x, const paddle::Tensor& weights,
   kCheck.Shape("x", x_view, {-1, -1});
   const int64_t m = x_view.dims[0];
   const int64_t k = x_view.dims[1];
-  const int64_t x_stride = RowStride("x", x);
+  const int64_t x_stride = kCheck.RowStride("x", x);
   if (k < 1) kCheck.Fail("x", "shape [M, K] with K >= 1", "shape " + ShapeString({m, k}));
   kCheck.Positive("n", n);
 
@@ -224,7 +185,7 @@ paddle::Tensor CpuLinear(const paddle::Tensor& x, const paddle::Tensor& weights,
     kCheck.Shape("weights", ViewOf(weights),
                  {panels, panel_rows, cpu::kPanelWidth});
   }
-  CheckDenseCpu("weights", weights);
+  kCheck.DenseCpu("weights", weights);
 
   cpu::LinearProblem problem;
   if (format == cpu::WeightFormat::kInt8) {
@@ -236,7 +197,7 @@ paddle::Tensor CpuLinear(const paddle::Tensor& x, const paddle::Tensor& weights,
     kCheck.Dtype("scales", scales_view, {paddle::DataType::FLOAT32});
     kCheck.Shape("scales", scales_view,
                  {panels, cpu::GroupCount(k, group_size), cpu::kPanelWidth});
-    CheckDenseCpu("scales", *scales);
+    kCheck.DenseCpu("scales", *scales);
     problem.w.scales = scales->data<float>();
     problem.w.group_size = group_size;
   } else if (scales) {
@@ -248,7 +209,7 @@ paddle::Tensor CpuLinear(const paddle::Tensor& x, const paddle::Tensor& weights,
     const TensorView bias_view = ViewOf(*bias);
     kCheck.Dtype("bias", bias_view, {paddle::DataType::FLOAT32});
     kCheck.Shape("bias", bias_view, {n});
-    CheckDenseCpu("bias", *bias);
+    kCheck.DenseCpu("bias", *bias);
     problem.bias = bias->data<float>();
   }
 
@@ -282,6 +243,8 @@ void CpuLinearSetNumThreads(int64_t threads) {
 
 int64_t CpuLinearNumThreads() { return State().pool.size(); }
 
+cpu::ThreadPool& CpuThreadPool() { return State().pool; }
+
 void CpuLinearSetIsa(const std::string& name) {
   CpuLinearState& state = State();
   state.isa = ParseIsa("isa", name, state.best);
@@ -296,7 +259,7 @@ double CpuReadSum(const paddle::Tensor& data) {
   CpuLinearState& state = State();
   const TensorView view = ViewOf(data);
   kCheck.Dtype("data", view, {paddle::DataType::FLOAT32});
-  CheckDenseCpu("data", data);
+  kCheck.DenseCpu("data", data);
   const float* values = data.data<float>();
   const int64_t count = data.numel();
   // Chunks of whole cache lines, one per thread.

@@ -158,6 +158,46 @@ class InputChecker {
     }
   }
 
+  // A plain row-major CPU array: what the CPU kernels index. Strides are
+  // checked where the tensor has them (a strided view); a tensor without them
+  // is dense.
+  void DenseCpu(const char* name, const paddle::Tensor& tensor) const {
+    if (!tensor.is_cpu()) {
+      Fail(name, "a CPU tensor", "a tensor on " + PlaceString(tensor));
+    }
+    const auto& dims = tensor.dims();
+    const auto& strides = tensor.strides();
+    if (strides.size() != dims.size()) return;
+    int64_t expected = 1;
+    for (int i = dims.size() - 1; i >= 0; --i) {
+      if (dims[i] != 1 && strides[i] != expected) {
+        Fail(name, "a contiguous tensor",
+             "strides " + ShapeString(strides.Get(), strides.size()) +
+                 " for shape " + ShapeString(dims.Get(), dims.size()));
+      }
+      expected *= dims[i];
+    }
+  }
+
+  // The distance between the rows of a CPU matrix whose rows are contiguous
+  // (a column slice of a wider one is fine: no copy).
+  int64_t RowStride(const char* name, const paddle::Tensor& matrix) const {
+    if (!matrix.is_cpu()) {
+      Fail(name, "a CPU tensor", "a tensor on " + PlaceString(matrix));
+    }
+    const auto& dims = matrix.dims();
+    const auto& strides = matrix.strides();
+    if (strides.size() != dims.size()) return dims[1];
+    const bool rows_contiguous = dims[1] == 1 || strides[1] == 1;
+    const bool rows_apart = dims[0] == 1 || strides[0] >= dims[1];
+    if (!rows_contiguous || !rows_apart) {
+      Fail(name, "a matrix whose rows are contiguous",
+           "strides " + ShapeString(strides.Get(), strides.size()) +
+               " for shape " + ShapeString(dims.Get(), dims.size()));
+    }
+    return dims[0] == 1 ? dims[1] : strides[0];
+  }
+
  private:
   static bool Matches(const TensorView& tensor,
                       std::initializer_list<int64_t> expected) {

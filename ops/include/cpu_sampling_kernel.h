@@ -1,0 +1,419 @@
+// One sampling step of a batch of rows on the CPU: the per-row controls, the
+// draw and the raw logprobs, with the semantics of
+// python/paddle_step/layers/sampler.py (its docstrings are the contract; this
+// is the CPU float32 path of the same thing). Framework-free: raw pointers.
+//
+// Per row, in this order: tokens outside `allowed` and, while the row is under
+// its `min_tokens`, its stop ids go to -inf; `logit_bias` is added; the
+// repetition penalty (over prompt and generated ids), then the frequency and
+// presence penalties (over generated ids) change the ids they list. A greedy
+// row (temperature 0, or no uniforms at all) takes the lowest id among the
+// largest controlled logits. A sampled row weighs each token by
+// e = exp(logit / t - max / t) (t: the temperature, at least 1e-6), keeps the
+// tokens with e >= min_p (the largest e is 1), then the top_k largest (ties of
+// the last kept kept too), then the nucleus: of the kept by decreasing e, each
+// one whose predecessors' mass is under top_p of the kept mass (ties of the
+// last kept kept too); it draws by inverting the CDF of the kept, in id order,
+// at its uniform. Every cut is a floor on e, so the kept set is
+// {e >= floor, e > 0}. Logprobs are of the raw logits' log-softmax.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace paddle_step::cpu {
+
+// The batch and its controls. A null pointer turns a control off for every
+// row; a row that does not use a control set for the batch holds its neutral
+// value. Id tables use -1 pads; ids outside [0, vocab) are skipped.
+struct SamplingBatch {
+  int64_t rows = 0;
+  int64_t vocab = 0;
+  const float* logits = nullptr;  // [rows, vocab], rows `logits_stride` apart
+  int64_t logits_stride = 0;
+  const float* temperature = nullptr;  // [rows]; <= 0: greedy
+  const float* top_p = nullptr;        // [rows]; >= 1: no nucleus cut
+  const int64_t* top_k = nullptr;      // [rows]; 0: all
+  const float* min_p = nullptr;        // [rows]; 0: all
+  const double* uniforms = nullptr;    // [rows] in [0, 1); null: all greedy
+  const bool* allowed = nullptr;       // [rows, vocab]
+  // Stop ids [rows, stop_width], masked while step_idx < min_tokens.
+  const int64_t* stop_ids = nullptr;
+  int64_t stop_width = 0;
+  const int64_t* min_tokens = nullptr;
+  // Tokens generated so far: output_ids[row, 1 .. step_idx[row]] (column 0 is
+  // the slot state's scratch), rows `output_stride` apart.
+  const int64_t* step_idx = nullptr;
+  const int64_t* output_ids = nullptr;
+  int64_t output_width = 0;
+  // logit_bias: ids [rows, bias_width] (-1 pads) and their float32 values.
+  const int64_t* bias_ids = nullptr;
+  const float* bias_values = nullptr;
+  int64_t bias_width = 0;
+  int64_t bias_ids_stride = 0;
+  int64_t bias_values_stride = 0;
+  const float* presence_penalty = nullptr;   // [rows], with frequency_penalty
+  const float* frequency_penalty = nullptr;  // [rows]
+  const float* repetition_penalty = nullptr;  // [rows], with prompt_ids
+  // The prompt: [rows, prompt_width], each row's ids up to its first pad.
+  const int64_t* prompt_ids = nullptr;
+  int64_t prompt_width = 0;
+  // Logprobs: -1 none; else the chosen token's and the `top_logprobs` most
+  // likely (ids and values [rows, top_logprobs], most likely first, lowest id
+  // first on ties).
+  int64_t top_logprobs = -1;
+  // Outputs.
+  int64_t* tokens = nullptr;          // [rows]
+  float* chosen_logprobs = nullptr;   // [rows]
+  int64_t* top_ids = nullptr;         // [rows, top_logprobs]
+  float* top_values = nullptr;        // [rows, top_logprobs]
+};
+
+namespace sampling {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// exp(x) for x <= 0 over an array (-inf gives 0), within a few ulp of expf
+// above -87 and 0 below (where expf is denormal: mass no draw can reach).
+// Branch-free, so the compiler vectorizes it at the baseline instruction set:
+// the range reduction x = n ln2 + r rounds with the 1.5 * 2^23 shift, a
+// degree-6 polynomial gives exp(r), and 2^n is built in the exponent bits.
+inline void ExpNonPositive(const float* in, float* out, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) {
+    const float x = in[i];
+    const float clamped = x < -87.0f ? -87.0f : x;
+    const float n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = clamped - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * r * r + r + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    out[i] = x < -87.0f ? 0.0f : y * scale;
+  }
+}
+
+// Sum of `count` floats, in eight interleaved float lanes (vectorizable)
+// added up in double.
+inline double Sum(const float* values, int64_t count) {
+  float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    for (int j = 0; j < 8; ++j) lanes[j] += values[i + j];
+  }
+  double total = 0.0;
+  for (; i < count; ++i) total += values[i];
+  for (int j = 0; j < 8; ++j) total += lanes[j];
+  return total;
+}
+
+inline float Max(const float* values, int64_t count) {
+  float lanes[8];
+  for (int j = 0; j < 8; ++j) lanes[j] = kNegInf;
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    for (int j = 0; j < 8; ++j) {
+      lanes[j] = values[i + j] > lanes[j] ? values[i + j] : lanes[j];
+    }
+  }
+  float best = kNegInf;
+  for (; i < count; ++i) best = values[i] > best ? values[i] : best;
+  for (int j = 0; j < 8; ++j) best = lanes[j] > best ? lanes[j] : best;
+  return best;
+}
+
+// The lowest id among the largest values (0 when all are -inf or NaN).
+inline int64_t ArgMax(const float* values, int64_t count) {
+  const float best = Max(values, count);
+  for (int64_t i = 0; i < count; ++i) {
+    if (values[i] == best) return i;
+  }
+  return 0;
+}
+
+// Histogram keys of positive floats: the exponent and 3 leading mantissa bits,
+// in the order of the values (1.0f is key 1016).
+constexpr int kBuckets = 1024;
+inline int BucketOf(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return static_cast<int>(bits >> 20);
+}
+
+// The scratch of one thread, reused from row to row.
+struct RowScratch {
+  std::vector<float> logits;    // the controlled logits
+  std::vector<float> weights;   // e, then raw exp for logprobs
+  std::vector<float> gathered;  // candidates of a cut
+  std::vector<uint32_t> stamp;  // penalties: ids seen in this row's epoch
+  std::vector<int32_t> counts;  // penalties: generated count per id
+  std::vector<int64_t> touched;  // penalties: the ids seen, in first-seen order
+  std::vector<int32_t> bucket_counts;
+  std::vector<double> bucket_mass;
+  uint32_t epoch = 0;
+
+  // Sizes the buffers for rows of `vocab` logits.
+  void Reserve(int64_t vocab) {
+    if (static_cast<int64_t>(logits.size()) == vocab) return;
+    logits.assign(vocab, 0.0f);
+    weights.assign(vocab, 0.0f);
+    stamp.assign(vocab, 0);
+    counts.assign(vocab, 0);
+    bucket_counts.assign(kBuckets, 0);
+    bucket_mass.assign(kBuckets, 0.0);
+    epoch = 0;
+  }
+
+  // A fresh stamp for a row's penalties (stamps restart when it wraps).
+  uint32_t NextEpoch() {
+    if (++epoch == 0) {
+      std::fill(stamp.begin(), stamp.end(), 0);
+      epoch = 1;
+    }
+    return epoch;
+  }
+};
+
+// The controls that change logits, on row `row` of `x` (a copy of its raw
+// logits), in the documented order.
+inline void ApplyControls(const SamplingBatch& b, int64_t row, float* x,
+                          RowScratch& scratch) {
+  const int64_t vocab = b.vocab;
+  if (b.allowed != nullptr) {
+    const bool* allowed = b.allowed + row * vocab;
+    for (int64_t i = 0; i < vocab; ++i) x[i] = allowed[i] ? x[i] : kNegInf;
+  }
+  if (b.stop_ids != nullptr && b.step_idx[row] < b.min_tokens[row]) {
+    const int64_t* ids = b.stop_ids + row * b.stop_width;
+    for (int64_t k = 0; k < b.stop_width; ++k) {
+      if (ids[k] >= 0 && ids[k] < vocab) x[ids[k]] = kNegInf;
+    }
+  }
+  if (b.bias_ids != nullptr) {
+    const int64_t* ids = b.bias_ids + row * b.bias_ids_stride;
+    const float* values = b.bias_values + row * b.bias_values_stride;
+    for (int64_t k = 0; k < b.bias_width; ++k) {
+      if (ids[k] >= 0 && ids[k] < vocab) x[ids[k]] = x[ids[k]] + values[k];
+    }
+  }
+  if (b.output_ids == nullptr) return;
+  // The ids the penalties change, each once: the generated ones (with their
+  // counts), then, for the repetition penalty, the prompt's.
+  const uint32_t epoch = scratch.NextEpoch();
+  scratch.touched.clear();
+  auto touch = [&](int64_t id) {
+    if (scratch.stamp[id] != epoch) {
+      scratch.stamp[id] = epoch;
+      scratch.counts[id] = 0;
+      scratch.touched.push_back(id);
+    }
+  };
+  const int64_t generated =
+      std::min<int64_t>(std::max<int64_t>(b.step_idx[row], 0), b.output_width - 1);
+  const int64_t* output = b.output_ids + row * b.output_width;
+  for (int64_t k = 1; k <= generated; ++k) {
+    const int64_t id = output[k];
+    if (id < 0 || id >= vocab) continue;
+    touch(id);
+    ++scratch.counts[id];
+  }
+  const bool repetition = b.repetition_penalty != nullptr;
+  if (repetition && b.prompt_ids != nullptr) {
+    const int64_t* prompt = b.prompt_ids + row * b.prompt_width;
+    // The prompt is a prefix: it ends at the first pad (a row of a long
+    // max_model_len is mostly pads).
+    for (int64_t k = 0; k < b.prompt_width && prompt[k] >= 0; ++k) {
+      if (prompt[k] < vocab) touch(prompt[k]);
+    }
+  }
+  const float penalty = repetition ? b.repetition_penalty[row] : 1.0f;
+  const bool frequency = b.frequency_penalty != nullptr;
+  const float per_count = frequency ? b.frequency_penalty[row] : 0.0f;
+  const float presence = frequency ? b.presence_penalty[row] : 0.0f;
+  for (const int64_t id : scratch.touched) {
+    float value = x[id];
+    if (repetition) value = value > 0 ? value / penalty : value * penalty;
+    if (frequency) {
+      const int32_t count = scratch.counts[id];
+      value = value - static_cast<float>(count) * per_count;
+      value = value - (count > 0 ? 1.0f : 0.0f) * presence;
+    }
+    x[id] = value;
+  }
+}
+
+// The k-th largest (k >= 1) of the `count` values, which it reorders.
+inline float KthLargest(float* values, int64_t count, int64_t k) {
+  std::nth_element(values, values + (k - 1), values + count,
+                   [](float a, float c) { return a > c; });
+  return values[k - 1];
+}
+
+// The nucleus floor of the kept weights (e >= floor, e > 0) of a row: the
+// smallest e whose predecessors, by decreasing e, hold under `need`. Small
+// sets are sorted; large ones find the bucket (of a value histogram) where
+// the mass reaches `need` and sort only that bucket.
+inline float NucleusFloor(const float* e, int64_t vocab, float floor,
+                          double need, RowScratch& scratch) {
+  std::vector<float>& gathered = scratch.gathered;
+  gathered.clear();
+  for (int64_t i = 0; i < vocab; ++i) {
+    if (e[i] > 0.0f && e[i] >= floor) gathered.push_back(e[i]);
+  }
+  const auto descending = [](float a, float c) { return a > c; };
+  auto walk = [&](double mass) {
+    // gathered: sorted by decreasing value, not empty; mass: what comes
+    // before them (under `need`, or 0). The first always belongs.
+    float last = gathered[0];
+    mass += gathered[0];
+    for (size_t k = 1; k < gathered.size() && mass < need; ++k) {
+      last = gathered[k];
+      mass += gathered[k];
+    }
+    return last;
+  };
+  constexpr size_t kSortAll = 256;
+  if (gathered.size() <= kSortAll) {
+    std::sort(gathered.begin(), gathered.end(), descending);
+    return gathered.empty() ? floor : walk(0.0);
+  }
+  std::fill(scratch.bucket_counts.begin(), scratch.bucket_counts.end(), 0);
+  std::fill(scratch.bucket_mass.begin(), scratch.bucket_mass.end(), 0.0);
+  float smallest = gathered[0];
+  for (const float value : gathered) {
+    const int key = BucketOf(value);
+    ++scratch.bucket_counts[key];
+    scratch.bucket_mass[key] += value;
+    smallest = std::min(smallest, value);
+  }
+  double mass = 0.0;
+  int key = kBuckets - 1;
+  for (; key >= 0; --key) {
+    if (mass + scratch.bucket_mass[key] >= need) break;
+    mass += scratch.bucket_mass[key];
+  }
+  if (key < 0) return smallest;  // rounding left the need unmet: keep all
+  size_t kept = 0;
+  for (const float value : gathered) {
+    if (BucketOf(value) == key) gathered[kept++] = value;
+  }
+  gathered.resize(kept);
+  std::sort(gathered.begin(), gathered.end(), descending);
+  return walk(mass);
+}
+
+// The sampled token of a row whose controlled logits are `x`.
+inline int64_t Draw(const SamplingBatch& b, int64_t row, const float* x,
+                    RowScratch& scratch) {
+  const int64_t vocab = b.vocab;
+  float* e = scratch.weights.data();
+  const float scale = std::max(b.temperature[row], 1e-6f);
+  for (int64_t i = 0; i < vocab; ++i) e[i] = x[i] / scale;
+  const float top = Max(e, vocab);
+  if (!(top > kNegInf)) return ArgMax(x, vocab);  // nothing may be drawn
+  for (int64_t i = 0; i < vocab; ++i) e[i] = e[i] - top;
+  ExpNonPositive(e, e, vocab);
+
+  float floor = b.min_p != nullptr ? b.min_p[row] : 0.0f;
+  const int64_t top_k = b.top_k != nullptr ? b.top_k[row] : 0;
+  if (top_k > 0) {
+    std::vector<float>& gathered = scratch.gathered;
+    gathered.clear();
+    for (int64_t i = 0; i < vocab; ++i) {
+      if (e[i] > 0.0f && e[i] >= floor) gathered.push_back(e[i]);
+    }
+    if (top_k < static_cast<int64_t>(gathered.size())) {
+      floor = KthLargest(gathered.data(), gathered.size(), top_k);
+    }
+  }
+  if (b.top_p[row] < 1.0f) {
+    double kept_mass = 0.0;
+    for (int64_t i = 0; i < vocab; ++i) {
+      if (e[i] >= floor) kept_mass += e[i];
+    }
+    floor = NucleusFloor(e, vocab, floor,
+                         static_cast<double>(b.top_p[row]) * kept_mass, scratch);
+  }
+  float total = 0.0f;
+  int64_t last = -1;
+  for (int64_t i = 0; i < vocab; ++i) {
+    if (e[i] > 0.0f && e[i] >= floor) {
+      total += e[i];
+      last = i;
+    }
+  }
+  if (last < 0) return ArgMax(x, vocab);
+  const float target = static_cast<float>(b.uniforms[row]) * total;
+  float cdf = 0.0f;
+  for (int64_t i = 0; i <= last; ++i) {
+    if (e[i] > 0.0f && e[i] >= floor) {
+      cdf += e[i];
+      if (cdf > target) return i;
+    }
+  }
+  return last;  // a draw within rounding of 1
+}
+
+// Logprobs of row `row`'s raw logits: the chosen token's and the top ones.
+inline void Logprobs(const SamplingBatch& b, int64_t row, const float* raw,
+                     int64_t token, RowScratch& scratch) {
+  const int64_t vocab = b.vocab;
+  float* shifted = scratch.weights.data();
+  const float top = Max(raw, vocab);
+  for (int64_t i = 0; i < vocab; ++i) shifted[i] = raw[i] - top;
+  ExpNonPositive(shifted, shifted, vocab);
+  const float log_total = static_cast<float>(std::log(Sum(shifted, vocab)));
+  auto logprob = [&](int64_t id) { return (raw[id] - top) - log_total; };
+  b.chosen_logprobs[row] = logprob(token);
+  const int64_t width = b.top_logprobs;
+  if (width <= 0) return;
+  // The `width` largest, most likely first; a later id enters only when
+  // strictly larger, so ties keep the lowest ids first.
+  int64_t* ids = b.top_ids + row * width;
+  float* values = b.top_values + row * width;
+  int64_t filled = 0;
+  for (int64_t i = 0; i < vocab; ++i) {
+    const float value = raw[i];
+    if (filled == width && !(value > values[width - 1])) continue;
+    int64_t at = filled < width ? filled++ : width - 1;  // width <= vocab
+    while (at > 0 && value > values[at - 1]) {
+      values[at] = values[at - 1];
+      ids[at] = ids[at - 1];
+      --at;
+    }
+    values[at] = value;
+    ids[at] = i;
+  }
+  for (int64_t k = 0; k < width; ++k) values[k] = logprob(ids[k]);
+}
+
+}  // namespace sampling
+
+// Samples rows [begin, end) of `b` with `scratch` (of b.vocab entries).
+inline void SampleRows(const SamplingBatch& b, int64_t begin, int64_t end,
+                       sampling::RowScratch& scratch) {
+  const int64_t vocab = b.vocab;
+  for (int64_t row = begin; row < end; ++row) {
+    const float* raw = b.logits + row * b.logits_stride;
+    float* x = scratch.logits.data();
+    std::copy(raw, raw + vocab, x);
+    sampling::ApplyControls(b, row, x, scratch);
+    const bool greedy = b.uniforms == nullptr || !(b.temperature[row] > 0.0f);
+    const int64_t token = greedy ? sampling::ArgMax(x, vocab)
+                                 : sampling::Draw(b, row, x, scratch);
+    b.tokens[row] = token;
+    if (b.top_logprobs >= 0) sampling::Logprobs(b, row, raw, token, scratch);
+  }
+}
+
+}  // namespace paddle_step::cpu
