@@ -154,7 +154,7 @@ inline int BucketOf(float value) {
 struct RowScratch {
   std::vector<float> logits;    // the controlled logits
   std::vector<float> weights;   // e, then raw exp for logprobs
-  std::vector<float> gathered;  // candidates of a cut
+  std::vector<float> gathered;  // the weights a cut looks at
   std::vector<uint32_t> stamp;  // penalties: ids seen in this row's epoch
   std::vector<int32_t> counts;  // penalties: generated count per id
   std::vector<int64_t> touched;  // penalties: the ids seen, in first-seen order
@@ -167,6 +167,7 @@ struct RowScratch {
     if (static_cast<int64_t>(logits.size()) == vocab) return;
     logits.assign(vocab, 0.0f);
     weights.assign(vocab, 0.0f);
+    gathered.assign(vocab, 0.0f);
     stamp.assign(vocab, 0);
     counts.assign(vocab, 0);
     bucket_counts.assign(kBuckets, 0);
@@ -252,64 +253,126 @@ inline void ApplyControls(const SamplingBatch& b, int64_t row, float* x,
   }
 }
 
-// The k-th largest (k >= 1) of the `count` values, which it reorders.
-inline float KthLargest(float* values, int64_t count, int64_t k) {
-  std::nth_element(values, values + (k - 1), values + count,
-                   [](float a, float c) { return a > c; });
-  return values[k - 1];
-}
-
-// The nucleus floor of the kept weights (e >= floor, e > 0) of a row: the
-// smallest e whose predecessors, by decreasing e, hold under `need`. Small
-// sets are sorted; large ones find the bucket (of a value histogram) where
-// the mass reaches `need` and sort only that bucket.
-inline float NucleusFloor(const float* e, int64_t vocab, float floor,
-                          double need, RowScratch& scratch) {
-  std::vector<float>& gathered = scratch.gathered;
-  gathered.clear();
-  for (int64_t i = 0; i < vocab; ++i) {
-    if (e[i] > 0.0f && e[i] >= floor) gathered.push_back(e[i]);
-  }
-  const auto descending = [](float a, float c) { return a > c; };
-  auto walk = [&](double mass) {
-    // gathered: sorted by decreasing value, not empty; mass: what comes
-    // before them (under `need`, or 0). The first always belongs.
-    float last = gathered[0];
-    mass += gathered[0];
-    for (size_t k = 1; k < gathered.size() && mass < need; ++k) {
-      last = gathered[k];
-      mass += gathered[k];
-    }
-    return last;
-  };
-  constexpr size_t kSortAll = 256;
-  if (gathered.size() <= kSortAll) {
-    std::sort(gathered.begin(), gathered.end(), descending);
-    return gathered.empty() ? floor : walk(0.0);
-  }
+// Per-bucket counts and masses of `count` positive weights.
+inline void Histogram(const float* values, int64_t count, RowScratch& scratch) {
   std::fill(scratch.bucket_counts.begin(), scratch.bucket_counts.end(), 0);
   std::fill(scratch.bucket_mass.begin(), scratch.bucket_mass.end(), 0.0);
-  float smallest = gathered[0];
-  for (const float value : gathered) {
-    const int key = BucketOf(value);
+  for (int64_t i = 0; i < count; ++i) {
+    const int key = BucketOf(values[i]);
     ++scratch.bucket_counts[key];
-    scratch.bucket_mass[key] += value;
-    smallest = std::min(smallest, value);
+    scratch.bucket_mass[key] += values[i];
   }
-  double mass = 0.0;
+}
+
+// Copies the `count` values that are > 0 and >= floor (and, for key >= 0, in
+// bucket `key`) to the front of `out`; returns how many. Branch-free: the
+// comparisons are unpredictable.
+inline int64_t Select(const float* values, int64_t count, float floor, int key,
+                      float* out) {
+  int64_t kept = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    out[kept] = values[i];
+    kept += values[i] > 0.0f && values[i] >= floor &&
+            (key < 0 || BucketOf(values[i]) == key);
+  }
+  return kept;
+}
+
+constexpr auto kDescending = [](float a, float c) { return a > c; };
+
+// The top_k floor of the weights e >= floor: the k-th largest of them
+// (`floor` when there are at most k). A histogram of their values finds the
+// bucket that holds it; only that bucket is partitioned.
+inline float TopKFloor(const float* e, int64_t vocab, float floor, int64_t k,
+                       RowScratch& scratch) {
+  float* kept = scratch.gathered.data();
+  const int64_t count = Select(e, vocab, floor, -1, kept);
+  if (count <= k) return floor;
+  Histogram(kept, count, scratch);
+  int64_t above = 0;
   int key = kBuckets - 1;
-  for (; key >= 0; --key) {
-    if (mass + scratch.bucket_mass[key] >= need) break;
-    mass += scratch.bucket_mass[key];
+  while (above + scratch.bucket_counts[key] < k) above += scratch.bucket_counts[key--];
+  const int64_t in_bucket = Select(kept, count, floor, key, kept);
+  const int64_t rank = k - above - 1;
+  std::nth_element(kept, kept + rank, kept + in_bucket, kDescending);
+  return kept[rank];
+}
+
+// The nucleus floor of the weights e >= floor: the smallest e whose
+// predecessors, by decreasing e, hold under `need` (`floor` when rounding
+// leaves the need unmet: all stay). Few are sorted; of many, a histogram of
+// their values finds the bucket where the mass reaches `need`, and only that
+// bucket is sorted.
+inline float NucleusFloor(const float* e, int64_t vocab, float floor,
+                          double need, RowScratch& scratch) {
+  float* kept = scratch.gathered.data();
+  int64_t count = Select(e, vocab, floor, -1, kept);
+  double mass = 0.0;  // of the values before kept[0 .. count)
+  constexpr int64_t kSortAll = 256;
+  if (count > kSortAll) {
+    Histogram(kept, count, scratch);
+    int key = kBuckets - 1;
+    for (; key >= 0 && mass + scratch.bucket_mass[key] < need; --key) {
+      mass += scratch.bucket_mass[key];
+    }
+    if (key < 0) return floor;
+    count = Select(kept, count, floor, key, kept);
   }
-  if (key < 0) return smallest;  // rounding left the need unmet: keep all
-  size_t kept = 0;
-  for (const float value : gathered) {
-    if (BucketOf(value) == key) gathered[kept++] = value;
+  if (count == 0) return floor;
+  std::sort(kept, kept + count, kDescending);
+  // The first always belongs: its predecessors hold `mass` < need (or none).
+  float last = kept[0];
+  mass += kept[0];
+  for (int64_t k = 1; k < count && mass < need; ++k) {
+    last = kept[k];
+    mass += kept[k];
   }
-  gathered.resize(kept);
-  std::sort(gathered.begin(), gathered.end(), descending);
-  return walk(mass);
+  return last;
+}
+
+// Sum of the values >= floor, in eight float lanes added up in double.
+inline double SumAtLeast(const float* values, int64_t count, float floor) {
+  float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    for (int j = 0; j < 8; ++j) {
+      lanes[j] += values[i + j] >= floor ? values[i + j] : 0.0f;
+    }
+  }
+  double total = 0.0;
+  for (; i < count; ++i) total += values[i] >= floor ? values[i] : 0.0f;
+  for (int j = 0; j < 8; ++j) total += lanes[j];
+  return total;
+}
+
+// The last id of positive weight in `w`; -1 when there is none.
+inline int64_t LastPositive(const float* w, int64_t vocab) {
+  for (int64_t i = vocab - 1; i >= 0; --i) {
+    if (w[i] > 0.0f) return i;
+  }
+  return -1;
+}
+
+// The first id whose running sum of `w` (weights, 0 for the tokens not
+// kept) passes `target`; the last one of positive weight when none does
+// (rounding), -1 when all weights are 0. Blocks whose sum keeps the running
+// sum at or under the target are skipped whole.
+inline int64_t InvertCdf(const float* w, int64_t vocab, float target) {
+  constexpr int64_t kBlock = 64;
+  float cdf = 0.0f;
+  for (int64_t start = 0; start < vocab; start += kBlock) {
+    const int64_t count = std::min(kBlock, vocab - start);
+    const float block = static_cast<float>(Sum(w + start, count));
+    if (!(cdf + block > target)) {
+      cdf += block;
+      continue;
+    }
+    for (int64_t i = start; i < start + count; ++i) {
+      cdf += w[i];
+      if (w[i] > 0.0f && cdf > target) return i;
+    }
+  }
+  return LastPositive(w, vocab);
 }
 
 // The sampled token of a row whose controlled logits are `x`.
@@ -318,50 +381,26 @@ inline int64_t Draw(const SamplingBatch& b, int64_t row, const float* x,
   const int64_t vocab = b.vocab;
   float* e = scratch.weights.data();
   const float scale = std::max(b.temperature[row], 1e-6f);
-  for (int64_t i = 0; i < vocab; ++i) e[i] = x[i] / scale;
-  const float top = Max(e, vocab);
+  // Division by a positive scale keeps the order: max(x / t) = max(x) / t.
+  const float top = Max(x, vocab) / scale;
   if (!(top > kNegInf)) return ArgMax(x, vocab);  // nothing may be drawn
-  for (int64_t i = 0; i < vocab; ++i) e[i] = e[i] - top;
+  for (int64_t i = 0; i < vocab; ++i) e[i] = x[i] / scale - top;
   ExpNonPositive(e, e, vocab);
 
   float floor = b.min_p != nullptr ? b.min_p[row] : 0.0f;
   const int64_t top_k = b.top_k != nullptr ? b.top_k[row] : 0;
-  if (top_k > 0) {
-    std::vector<float>& gathered = scratch.gathered;
-    gathered.clear();
-    for (int64_t i = 0; i < vocab; ++i) {
-      if (e[i] > 0.0f && e[i] >= floor) gathered.push_back(e[i]);
-    }
-    if (top_k < static_cast<int64_t>(gathered.size())) {
-      floor = KthLargest(gathered.data(), gathered.size(), top_k);
-    }
-  }
+  if (top_k > 0 && top_k < vocab) floor = TopKFloor(e, vocab, floor, top_k, scratch);
   if (b.top_p[row] < 1.0f) {
-    double kept_mass = 0.0;
-    for (int64_t i = 0; i < vocab; ++i) {
-      if (e[i] >= floor) kept_mass += e[i];
-    }
-    floor = NucleusFloor(e, vocab, floor,
-                         static_cast<double>(b.top_p[row]) * kept_mass, scratch);
+    const double need = static_cast<double>(b.top_p[row]) * SumAtLeast(e, vocab, floor);
+    floor = NucleusFloor(e, vocab, floor, need, scratch);
   }
-  float total = 0.0f;
-  int64_t last = -1;
-  for (int64_t i = 0; i < vocab; ++i) {
-    if (e[i] > 0.0f && e[i] >= floor) {
-      total += e[i];
-      last = i;
-    }
-  }
-  if (last < 0) return ArgMax(x, vocab);
+  for (int64_t i = 0; i < vocab; ++i) e[i] = e[i] >= floor ? e[i] : 0.0f;
+  const float total = static_cast<float>(Sum(e, vocab));
   const float target = static_cast<float>(b.uniforms[row]) * total;
-  float cdf = 0.0f;
-  for (int64_t i = 0; i <= last; ++i) {
-    if (e[i] > 0.0f && e[i] >= floor) {
-      cdf += e[i];
-      if (cdf > target) return i;
-    }
-  }
-  return last;  // a draw within rounding of 1
+  // A uniform within float rounding of 1 draws the last kept token.
+  const int64_t token = target < total ? InvertCdf(e, vocab, target)
+                                       : LastPositive(e, vocab);
+  return token < 0 ? ArgMax(x, vocab) : token;
 }
 
 // Logprobs of row `row`'s raw logits: the chosen token's and the top ones.
