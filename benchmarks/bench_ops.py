@@ -205,32 +205,19 @@ def advance_step_vectorized(input_tokens, sampled_token_ids, input_positions, se
     paddle.assign(paddle.where(valid, slot, paddle.full_like(slot, -1)), output=slot_mapping)
 
 
-# fmt: off
+# A to_static function takes the tensors as one list: it refuses a ``*tensors`` parameter.
 def _make_to_static_advance(num_seqs, block_size):
-    def run(input_tokens, sampled_token_ids, input_positions, seq_lens, slot_mapping,
-            block_tables, active):
-        paddle_step.advance_step(input_tokens, sampled_token_ids, input_positions, seq_lens,
-                                 slot_mapping, block_tables, num_seqs, num_seqs, block_size,
-                                 active=active)
+    def run(tensors, active):
+        paddle_step.advance_step(*tensors, num_seqs, num_seqs, block_size, active=active)
 
     return paddle.jit.to_static(run, full_graph=True)
 
 
 def _make_to_static_step(block_size, enc_dec):
-    def run(stop_flags, seq_lens_this_time, ori_seq_lens_encoder, seq_lens_encoder,
-            seq_lens_decoder, block_tables, encoder_block_lens, is_block_step, step_block_list,
-            step_lens, recover_block_list, recover_lens, need_block_list, need_block_len,
-            used_list_len, free_list, free_list_len, input_ids, pre_ids, step_idx, next_tokens,
-            first_token_ids):
-        paddle_step.step_paddle(
-            stop_flags, seq_lens_this_time, ori_seq_lens_encoder, seq_lens_encoder,
-            seq_lens_decoder, block_tables, encoder_block_lens, is_block_step, step_block_list,
-            step_lens, recover_block_list, recover_lens, need_block_list, need_block_len,
-            used_list_len, free_list, free_list_len, input_ids, pre_ids, step_idx, next_tokens,
-            first_token_ids, block_size, enc_dec)
+    def run(tensors):
+        paddle_step.step_paddle(*tensors, block_size, enc_dec)
 
     return paddle.jit.to_static(run, full_graph=True)
-# fmt: on
 
 
 # ---------------------------------------------------------------- timing
@@ -372,9 +359,9 @@ def bench_step_paddle(captured, floor, args, with_static) -> dict:
     ]
     if with_static:
         static_fn = _make_to_static_step(bs, enc)
-        static_fn(*live)
+        static_fn(live)
         restore()
-        candidates.append(Candidate("to_static", lambda: static_fn(*live), restore))
+        candidates.append(Candidate("to_static", lambda: static_fn(live), restore))
     return run_candidates(candidates, args.rounds, args.budget, args.max_calls, args.min_calls)
 
 
@@ -423,9 +410,9 @@ def bench_advance_step(captured, floor, args, with_static) -> dict:
     ]
     if with_static:
         static_fn = _make_to_static_advance(batch, bs)
-        static_fn(*tensors, active)
+        static_fn(tensors, active)
         restore()
-        candidates.append(Candidate("to_static", lambda: static_fn(*tensors, active), restore))
+        candidates.append(Candidate("to_static", lambda: static_fn(tensors, active), restore))
     return run_candidates(candidates, args.rounds, args.budget, args.max_calls, args.min_calls)
 
 

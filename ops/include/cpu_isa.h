@@ -17,26 +17,22 @@ enum class Isa {
   kAvx512Bf16,  // AVX-512 with AVX512-BF16 (vdpbf16ps)
 };
 
+// The paths' names, in Isa's order (flags and reports use them).
+constexpr const char* kIsaNames[] = {"scalar", "avx2", "avx512", "avx512_bf16"};
+constexpr int kIsaCount = sizeof(kIsaNames) / sizeof(kIsaNames[0]);
+static_assert(static_cast<int>(Isa::kAvx512Bf16) == kIsaCount - 1,
+              "kIsaNames names every Isa");
+
 inline const char* IsaName(Isa isa) {
-  switch (isa) {
-    case Isa::kScalar:
-      return "scalar";
-    case Isa::kAvx2:
-      return "avx2";
-    case Isa::kAvx512:
-      return "avx512";
-    case Isa::kAvx512Bf16:
-      return "avx512_bf16";
-  }
-  return "unknown";
+  const int index = static_cast<int>(isa);
+  return 0 <= index && index < kIsaCount ? kIsaNames[index] : "unknown";
 }
 
 // The Isa of a name IsaName returns; false for any other name.
 inline bool IsaFromName(const std::string& name, Isa* isa) {
-  for (Isa candidate :
-       {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
-    if (name == IsaName(candidate)) {
-      *isa = candidate;
+  for (int index = 0; index < kIsaCount; ++index) {
+    if (name == kIsaNames[index]) {
+      *isa = static_cast<Isa>(index);
       return true;
     }
   }

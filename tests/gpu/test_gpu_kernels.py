@@ -98,23 +98,12 @@ def test_advance_step_edge_cases(gpu_advance_step, name):
     advance_step_cases.FIXED_CASES[name](gpu_advance_step)
 
 
-LOOP_PARAMS = [pytest.param(config, id=key) for key, config in LOOP_CONFIGS.items()]
-
-
-@pytest.mark.parametrize("config", LOOP_PARAMS)
-@pytest.mark.parametrize("stopped_shape", ["[B]", "[B,1]"])
-def test_step_paddle_decode_loop(gpu_step_paddle, config, stopped_shape):
-    step_paddle_cases.decode_loop(gpu_step_paddle, config, stopped_shape)
-
-
-@pytest.mark.parametrize("batch", step_paddle_cases.RANDOM_STATE_BATCHES)
-def test_step_paddle_random_states(gpu_step_paddle, batch):
-    step_paddle_cases.random_states(gpu_step_paddle, batch)
-
-
-@pytest.mark.parametrize("name", list(step_paddle_cases.FIXED_CASES))
+@pytest.mark.parametrize("name", list(step_paddle_cases.CASES))
 def test_step_paddle_cases(gpu_step_paddle, name):
-    step_paddle_cases.FIXED_CASES[name](gpu_step_paddle)
+    step_paddle_cases.CASES[name](gpu_step_paddle)
+
+
+LOOP_PARAMS = [pytest.param(config, id=key) for key, config in LOOP_CONFIGS.items()]
 
 
 # ---- CUDA graphs: capture one call, replay it on fresh inputs. ------------
@@ -203,7 +192,7 @@ def _graph_decode_loop(gpu, loop: FakeDecodeLoop, block_size: int, max_steps: in
 
 @pytest.mark.parametrize("config", LOOP_PARAMS)
 def test_step_paddle_cuda_graph_decode_loop(gpu, config):
-    # The loop of test_decode_loop_matches_reference, every step a graph replay.
+    # The loop of the decode_loop cases, every step a graph replay.
     loop = tight_loop(config)
     calls = _graph_decode_loop(gpu, loop, block_size=config[2], max_steps=3000)
     assert loop.done and calls > 10
@@ -212,7 +201,7 @@ def test_step_paddle_cuda_graph_decode_loop(gpu, config):
 
 
 def test_step_paddle_cuda_graph_batch_4096(gpu):
-    # test_batch_4096's loop, every step a graph replay.
+    # The batch_4096 case's loop, every step a graph replay.
     loop = batch_4096_loop()
     assert _graph_decode_loop(gpu, loop, 8, max_steps=12) == 12
     used = np.asarray(loop.state()["used_list_len"]).reshape(-1)

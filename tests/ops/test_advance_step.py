@@ -20,16 +20,9 @@ def test_matches_reference(place, num_seqs, block_size, seq_lens_dtype, tables_d
     cases.matches_reference(run_op, num_seqs, block_size, seq_lens_dtype, tables_dtype, with_active)
 
 
-def test_hand_worked_rows(place):
-    cases.hand_worked_rows(run_op)
-
-
-def test_slot_is_computed_in_64_bits(place):
-    cases.slot_is_computed_in_64_bits(run_op)
-
-
-def test_inactive_rows_keep_their_seq_len(place):
-    cases.inactive_rows_keep_their_seq_len(run_op)
+@pytest.mark.parametrize("name", list(cases.FIXED_CASES))
+def test_fixed_cases(place, name):
+    cases.FIXED_CASES[name](run_op)
 
 
 @pytest.mark.needs_paddle3

@@ -18,37 +18,9 @@ from paddle_step.testing.ref_step_paddle import ref_step_paddle
 from paddle_step.testing.step_paddle_cases import assert_same_bytes
 
 
-@pytest.mark.parametrize(
-    "config", [pytest.param(config, id=key) for key, config in cases.LOOP_CONFIGS.items()]
-)
-@pytest.mark.parametrize("stopped_shape", ["[B]", "[B,1]"])
-def test_decode_loop_matches_reference(place, config, stopped_shape):
-    cases.decode_loop(run_op, config, stopped_shape)
-
-
-@pytest.mark.parametrize("batch", cases.RANDOM_STATE_BATCHES)
-def test_random_states_match_reference(place, batch):
-    cases.random_states(run_op, batch)
-
-
-def test_shortfall_happens_and_matches(place):
-    cases.shortfall(run_op)
-
-
-def test_batch_4096(place):
-    cases.batch_4096(run_op)
-
-
-def test_empty_pool_all_stopped_and_full_table(place):
-    cases.empty_pool_all_stopped_and_full_table(run_op)
-
-
-def test_extreme_block_sizes(place):
-    cases.extreme_block_sizes(run_op)
-
-
-def test_many_recoveries(place):
-    cases.many_recoveries(run_op)
+@pytest.mark.parametrize("name", list(cases.CASES))
+def test_matches_reference(place, name):
+    cases.CASES[name](run_op)
 
 
 @pytest.mark.parametrize("step_idx", [np.iinfo(np.int64).min, -5, 0, 1, 30, np.iinfo(np.int64).max])

@@ -114,26 +114,64 @@ def test_rejects_a_non_positive_block_size():
 # ---- Block ownership. --------------------------------------------------------------
 
 
-def test_block_owned_twice():
+# One planted corruption a row: the entries it writes (tensor, index, value) and what
+# check_state reports.
+# fmt: off
+PLANTED = {
+    # Block ownership.
+    "block-owned-twice": ([("block_tables", (3, 2), 10)],  # slot 0 holds 10 in column 2
+                          ["block 10 is owned twice: slot 0 column 2, slot 3 column 2"]),
+    "in-pool-and-owned": ([("free_list", 0, 11)],  # slot 3 owns it
+                          ["block 11 is both in the pool (free_list[0]) and owned by slot 3 "
+                           "(column 1)"]),
+    "twice-in-pool": ([("free_list", 2, 13)],
+                      ["block 13 is in free_list twice: free_list[0] and free_list[2]",
+                       "decoder block 15 is lost"]),
+    "lost": ([("free_list_len", 0, 2)],
+             ["decoder block 15 is lost: neither in the pool nor in any block table"]),
+    "pooled-encoder-block": ([("free_list", 3, 4), ("free_list_len", 0, 4)],
+                             ["free_list[3] is block 4, which is not a decoder block"]),
+    "pool-id-out-of-range": ([("free_list", 1, 99)],
+                             ["free_list[1] is 99, expected a block id in [0, 16)"]),
+    # Lengths and lists.
+    "preempted-not-listed": ([("step_lens", 0, 0)],
+                             ["slot 1 is preempted (is_block_step) but not in "
+                              "step_block_list[:0]"]),
+    "preempted-not-stopped": ([("stop_flags", 1, False)],
+                              ["slot 1 is preempted (is_block_step) but stop_flags is false"]),
+    "negative-length": ([("used_list_len", 2, -1)],
+                        ["slot 2: used_list_len is -1, expected >= 0"]),
+    # Table layout per slot.
+    "running-past-the-table": ([("seq_lens_decoder", 0, 24)],  # column 6 of 6
+                               ["slot 0 is running but has no block in column(s) [6]"]),
+    "preempted-holds-decoder-block": ([("block_tables", (1, 1), 15), ("free_list_len", 0, 2)],
+                                      ["slot 1 is preempted but holds blocks [15] in decoder "
+                                       "columns [1]"]),
+    "hole-in-decoder-columns": ([("block_tables", (3, 1), -1), ("free_list", 3, 11),
+                                 ("free_list_len", 0, 4)],
+                                ["slot 3: decoder columns [1] are -1, expected block ids "
+                                 "(used_list_len is 2)"]),
+    "block-past-used-columns": ([("block_tables", (0, 3), 15), ("free_list_len", 0, 2)],
+                                ["slot 0: columns [3] hold blocks [15] past its 2 encoder + 1 "
+                                 "decoder blocks, expected -1"]),
+    "missing-encoder-block": ([("block_tables", (0, 1), -1)],
+                              ["slot 0: encoder columns [1] are -1, expected block ids "
+                               "(encoder_block_lens is 2)"]),
+    "encoder-plus-decoder-past-the-table": ([("used_list_len", 1, 6)],
+                                            ["slot 1: encoder_block_lens + used_list_len is "
+                                             "1+6, expected <= 6 (blocks per sequence)"]),
+}
+# fmt: on
+
+
+@pytest.mark.parametrize(("edits", "messages"), list(PLANTED.values()), ids=list(PLANTED))
+def test_planted_corruption_is_reported(edits, messages):
     state = valid_state()
-    state["block_tables"][3, 2] = 10  # slot 0 holds 10 in column 2
+    for name, index, value in edits:
+        state[name][index] = value
     message = violations(state)
-    assert "block 10 is owned twice: slot 0 column 2, slot 3 column 2" in message
-
-
-def test_block_in_pool_and_owned():
-    state = valid_state()
-    state["free_list"][0] = 11  # slot 3 owns it
-    message = violations(state)
-    assert "block 11 is both in the pool (free_list[0]) and owned by slot 3 (column 1)" in message
-
-
-def test_duplicate_in_pool():
-    state = valid_state()
-    state["free_list"][2] = 13
-    message = violations(state)
-    assert "block 13 is in the pool twice: free_list[0] and free_list[2]" in message
-    assert "decoder block 15 is lost" in message
+    for expected in messages:
+        assert expected in message
 
 
 def test_entries_past_the_pool_are_not_checked():
@@ -144,21 +182,6 @@ def test_entries_past_the_pool_are_not_checked():
     )
 
 
-def test_decoder_block_lost():
-    state = valid_state()
-    state["free_list_len"][0] = 2
-    assert "decoder block 15 is lost: neither in the pool nor in any block table" in violations(
-        state
-    )
-
-
-def test_pool_entry_that_is_not_a_decoder_block():
-    state = valid_state()
-    state["free_list"][3] = 4
-    state["free_list_len"][0] = 4
-    assert "free_list[3] is block 4, which is not a decoder block" in violations(state)
-
-
 @pytest.mark.parametrize("bad_id", [16, -7])
 def test_block_id_out_of_range_in_table(bad_id):
     state = valid_state()
@@ -167,12 +190,6 @@ def test_block_id_out_of_range_in_table(bad_id):
     assert (
         f"slot 0: block_tables[0, 1] is {bad_id}, expected -1 or a block id in [0, 16)" in message
     )
-
-
-def test_block_id_out_of_range_in_pool():
-    state = valid_state()
-    state["free_list"][1] = 99
-    assert "free_list[1] is 99, expected a block id in [0, 16)" in violations(state)
 
 
 def test_negative_id_is_caught_without_num_blocks():
@@ -217,7 +234,7 @@ def test_stale_need_block_list_after_step():
     [
         (0, "slot 0 is in step_block_list[1] but is_block_step is false"),
         (9, "step_block_list[1] is 9, expected a slot id in [0, 4)"),
-        (1, "slot 1 is in step_block_list twice (again at position 1)"),
+        (1, "slot 1 is in step_block_list twice: step_block_list[0] and step_block_list[1]"),
     ],
     ids=["not-preempted", "not-a-slot", "twice"],
 )
@@ -226,18 +243,6 @@ def test_bad_second_step_block_list_entry(entry, message):
     state["step_block_list"][1] = entry
     state["step_lens"][0] = 2
     assert message in violations(state)
-
-
-def test_preempted_slot_missing_from_step_block_list():
-    state = valid_state()
-    state["step_lens"][0] = 0
-    assert "slot 1 is preempted (is_block_step) but not in step_block_list[:0]" in violations(state)
-
-
-def test_preempted_slot_that_is_not_stopped():
-    state = valid_state()
-    state["stop_flags"][1] = False
-    assert "slot 1 is preempted (is_block_step) but stop_flags is false" in violations(state)
 
 
 @pytest.mark.parametrize("after_step", [True, False])
@@ -253,12 +258,6 @@ def test_preempted_slot_with_decoded_positions(after_step):
     ]
 
 
-def test_negative_length_field():
-    state = valid_state()
-    state["used_list_len"][2] = -1
-    assert "slot 2: used_list_len is -1, expected >= 0" in violations(state)
-
-
 # ---- Table layout per slot. ---------------------------------------------------------
 
 
@@ -270,12 +269,6 @@ def test_running_slot_without_its_next_block():
         "slot 0 is running but has no block in column(s) [3] for its next write position" in message
     )
     assert check_state(state, BLOCK_SIZE, after_step=False) is None  # step_paddle's job to fix
-
-
-def test_running_slot_past_the_table():
-    state = valid_state()
-    state["seq_lens_decoder"][0] = 24  # column 6 of 6
-    assert "slot 0 is running but has no block in column(s) [6]" in violations(state)
 
 
 def test_recovered_slot_without_blocks_for_its_prefill():
@@ -316,54 +309,6 @@ def test_stopped_slot_keeps_encoder_blocks_until_the_host_releases_them():
     state["free_list_len"][0] = 5
     assert (
         check_state(state, BLOCK_SIZE, num_blocks=NUM_BLOCKS, decoder_blocks=DECODER_BLOCKS) is None
-    )
-
-
-def test_preempted_slot_holding_a_decoder_block():
-    state = valid_state()
-    state["block_tables"][1, 1] = 15
-    state["free_list_len"][0] = 2
-    assert "slot 1 is preempted but holds blocks [15] in decoder columns [1]" in violations(state)
-
-
-def test_hole_in_decoder_columns():
-    state = valid_state()
-    state["block_tables"][3, 1] = -1
-    state["free_list"][3] = 11
-    state["free_list_len"][0] = 4
-    assert (
-        "slot 3: decoder columns [1] are -1, expected block ids (used_list_len is 2)"
-        in violations(state)
-    )
-
-
-def test_block_past_used_columns():
-    state = valid_state()
-    state["block_tables"][0, 3] = 15
-    state["free_list_len"][0] = 2
-    message = violations(state)
-    assert (
-        "slot 0: columns [3] hold blocks [15] past its 2 encoder + 1 decoder blocks, expected -1"
-        in message
-    )
-
-
-def test_missing_encoder_block():
-    state = valid_state()
-    state["block_tables"][0, 1] = -1
-    assert (
-        "slot 0: encoder columns [1] are -1, expected block ids (encoder_block_lens is 2)"
-        in violations(state)
-    )
-
-
-def test_encoder_plus_decoder_past_the_table():
-    state = valid_state()
-    state["used_list_len"][1] = 6
-    message = violations(state)
-    assert (
-        "slot 1: encoder_block_lens + used_list_len is 1+6, expected <= 6 (blocks per sequence)"
-        in message
     )
 
 

@@ -13,23 +13,13 @@ import pytest
 
 import paddle_step
 from paddle_step.structured_output import JsonSchemaConstraint, compile_json_schema
+from paddle_step.testing.constraints import OBJECT_SCHEMA
 from paddle_step.tokenizer.hf import HFTokenizer
 
 SHIPPED = Path(paddle_step.__file__).parent / "assets" / "pydoc-tiny"
 TOKENIZER_FILE = SHIPPED / "tokenizer.json"
 EOS = [1]
 VOCAB = 2048
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "kind": {"enum": ["list", "dict", "tuple"]},
-        "size": {"type": "integer", "minimum": 0, "maximum": 999},
-        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
-    },
-    "required": ["name", "kind", "size"],
-    "additionalProperties": False,
-}
 
 
 def walk(constraint: JsonSchemaConstraint, rng: np.random.Generator, limit: int = 300):
@@ -50,21 +40,21 @@ def walk(constraint: JsonSchemaConstraint, rng: np.random.Generator, limit: int 
 
 def test_random_walks_give_valid_json():
     tokenizer = HFTokenizer.from_dir(SHIPPED)
-    grammar = compile_json_schema(SCHEMA, TOKENIZER_FILE, EOS, VOCAB)
+    grammar = compile_json_schema(OBJECT_SCHEMA, TOKENIZER_FILE, EOS, VOCAB)
     rng = np.random.default_rng(7)
     for _ in range(40):
         constraint = JsonSchemaConstraint(grammar, TOKENIZER_FILE, EOS, VOCAB)
         tokens, how = walk(constraint, rng)
         assert how != "limit" and constraint.error == ""
         value = json.loads(tokenizer.decode(tokens))
-        jsonschema.validate(value, SCHEMA)
+        jsonschema.validate(value, OBJECT_SCHEMA)
 
 
 def test_mask_allows_exactly_the_tokens_that_keep_the_text_valid():
     """At the start only '{' (or tokens beginning with it) may come; never eos."""
     tokenizer = HFTokenizer.from_dir(SHIPPED)
     constraint = JsonSchemaConstraint(
-        compile_json_schema(SCHEMA, TOKENIZER_FILE, EOS, VOCAB), TOKENIZER_FILE, EOS, VOCAB
+        compile_json_schema(OBJECT_SCHEMA, TOKENIZER_FILE, EOS, VOCAB), TOKENIZER_FILE, EOS, VOCAB
     )
     mask = constraint.allowed_tokens(VOCAB)
     assert mask.dtype == bool and mask.shape == (VOCAB,)
@@ -76,7 +66,7 @@ def test_mask_allows_exactly_the_tokens_that_keep_the_text_valid():
 
 
 def test_pickles_without_its_matcher_and_resumes_fresh():
-    grammar = compile_json_schema(SCHEMA, TOKENIZER_FILE, EOS, VOCAB)
+    grammar = compile_json_schema(OBJECT_SCHEMA, TOKENIZER_FILE, EOS, VOCAB)
     constraint = JsonSchemaConstraint(grammar, TOKENIZER_FILE, EOS, VOCAB)
     first = constraint.allowed_tokens(VOCAB)
     constraint.accept_token(int(np.flatnonzero(first)[0]))

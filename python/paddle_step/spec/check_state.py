@@ -9,7 +9,7 @@ and reports every violation at once.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -69,20 +69,21 @@ def _shape_problem(name: str, kind: str, shape: tuple, batch_size: int | None) -
 
 
 def _distinct_ids(
-    entries: list[int],
-    limit: int,
-    out_of_range: Callable[[int, int], str],
-    repeated: Callable[[int, int, int], str],
-    problems: list[str],
+    entries: list[int], list_name: str, kind: str, limit: int, problems: list[str]
 ) -> dict[int, int]:
-    """The first position of each entry that is an id in [0, limit); a problem for every
-    other entry (``out_of_range(position, id)``, ``repeated(id, first, position)``)."""
+    """The first position of each entry of ``list_name`` that is a ``kind`` id in
+    [0, limit); a problem for every other entry (out of range, or a repeat)."""
     first_positions: dict[int, int] = {}
     for position, value in enumerate(entries):
         if not 0 <= value < limit:
-            problems.append(out_of_range(position, value))
+            problems.append(
+                f"{list_name}[{position}] is {value}, expected a {kind} id in [0, {limit})"
+            )
         elif value in first_positions:
-            problems.append(repeated(value, first_positions[value], position))
+            problems.append(
+                f"{kind} {value} is in {list_name} twice: {list_name}[{first_positions[value]}]"
+                f" and {list_name}[{position}]"
+            )
         else:
             first_positions[value] = position
     return first_positions
@@ -139,17 +140,8 @@ def _check_lengths_and_lists(
 
     step_lens = int(flat["step_lens"][0])
     is_block_step = flat["is_block_step"]
-    listed_slots = _distinct_ids(
-        flat["step_block_list"][: min(max(step_lens, 0), batch_size)].tolist(),
-        batch_size,
-        lambda position, slot: (
-            f"step_block_list[{position}] is {slot}, expected a slot id in [0, {batch_size})"
-        ),
-        lambda slot, _first, position: (
-            f"slot {slot} is in step_block_list twice (again at position {position})"
-        ),
-        problems,
-    )
+    listed = flat["step_block_list"][: min(max(step_lens, 0), batch_size)].tolist()
+    listed_slots = _distinct_ids(listed, "step_block_list", "slot", batch_size, problems)
     for slot, position in listed_slots.items():
         if not is_block_step[slot]:
             problems.append(
@@ -216,17 +208,7 @@ def _check_block_ids(
             where = ", ".join(f"slot {slot} column {column}" for slot, column in places)
             problems.append(f"block {block} is owned twice: {where}")
 
-    pool_positions = _distinct_ids(
-        pool.tolist(),
-        num_blocks,
-        lambda position, block: (
-            f"free_list[{position}] is {block}, expected a block id in [0, {num_blocks})"
-        ),
-        lambda block, first, position: (
-            f"block {block} is in the pool twice: free_list[{first}] and free_list[{position}]"
-        ),
-        problems,
-    )
+    pool_positions = _distinct_ids(pool.tolist(), "free_list", "block", num_blocks, problems)
     for block, position in pool_positions.items():
         if block in owners:
             slot, column = owners[block][0]

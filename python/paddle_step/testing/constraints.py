@@ -1,11 +1,27 @@
-"""A small ``TokenConstraint`` for tests: the token at step i must come from the i-th of a
-cycle of allowed sets, and the constraint finishes after ``length`` tokens. NumPy only."""
+"""Constraints for tests: a small ``TokenConstraint`` (the token at step i must come from
+the i-th of a cycle of allowed sets, finished after ``length`` tokens) and the JSON schema
+the structured-output tests constrain to. NumPy only."""
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["CyclingConstraint"]
+__all__ = ["OBJECT_SCHEMA", "CyclingConstraint"]
+
+# An object with every kind of value a JSON schema constrains (a bounded string, an enum,
+# a bounded integer, an optional bounded array of booleans): any valid output is under
+# 110 characters of compact JSON, so a sampled answer fits a small token budget.
+OBJECT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "kind": {"enum": ["list", "dict", "tuple"]},
+        "size": {"type": "integer", "minimum": 0, "maximum": 999},
+        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+    },
+    "required": ["name", "kind", "size"],
+    "additionalProperties": False,
+}
 
 
 class CyclingConstraint:

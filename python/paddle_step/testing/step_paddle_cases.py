@@ -6,6 +6,7 @@ GPU harness (tests/gpu) passes its CUDA launcher. NumPy only.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -216,8 +217,19 @@ def many_recoveries(run_op: StepRunner) -> None:
         assert sorted(recovered.tolist()) == list(range(batch)) and got["free_list_len"][0] == 0
 
 
-# The cases every build runs with no arguments but the runner.
-FIXED_CASES = {
+# Every case a build runs, by id: each takes only the runner.
+CASES: dict[str, Callable[[StepRunner], None]] = {
+    **{
+        f"decode_loop-{key}-stop_flags_{shape_id}": functools.partial(
+            decode_loop, config=config, stopped_shape=stopped_shape
+        )
+        for key, config in LOOP_CONFIGS.items()
+        for shape_id, stopped_shape in (("B", "[B]"), ("B1", "[B,1]"))
+    },
+    **{
+        f"random_states-B{batch}": functools.partial(random_states, batch=batch)
+        for batch in RANDOM_STATE_BATCHES
+    },
     "shortfall": shortfall,
     "batch_4096": batch_4096,
     "empty_pool_all_stopped_and_full_table": empty_pool_all_stopped_and_full_table,

@@ -101,6 +101,21 @@ def client(base_url: str, **options):
     )
 
 
+def complete(api: openai.OpenAI, stream: bool, **request):
+    """One completion, streamed (with the usage chunk) or whole: (text, finish_reason,
+    usage)."""
+    if not stream:
+        response = api.completions.create(model="llama-tiny", **request)
+        return response.choices[0].text, response.choices[0].finish_reason, response.usage
+    chunks = list(
+        api.completions.create(
+            model="llama-tiny", stream=True, stream_options={"include_usage": True}, **request
+        )
+    )
+    choices = [c.choices[0] for c in chunks if c.choices]
+    return "".join(c.text for c in choices), choices[-1].finish_reason, chunks[-1].usage
+
+
 def test_models_health_metrics(served):
     base_url, _loop = served
     assert httpx.get(f"{base_url}/health", timeout=10).status_code == 200
@@ -124,26 +139,7 @@ def test_completion_equals_offline(served, offline, stream):
     api = client(base_url)
     for prompt in PROMPTS[:4]:
         expected, reason, count = offline(offline.tokenizer.encode(prompt), 12)
-        if stream:
-            chunks = list(
-                api.completions.create(
-                    model="llama-tiny",
-                    prompt=prompt,
-                    max_tokens=12,
-                    temperature=0,
-                    stream=True,
-                    stream_options={"include_usage": True},
-                )
-            )
-            text = "".join(c.choices[0].text for c in chunks if c.choices)
-            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
-            usage = chunks[-1].usage
-        else:
-            response = api.completions.create(
-                model="llama-tiny", prompt=prompt, max_tokens=12, temperature=0
-            )
-            text, finish = response.choices[0].text, response.choices[0].finish_reason
-            usage = response.usage
+        text, finish, usage = complete(api, stream, prompt=prompt, max_tokens=12, temperature=0)
         assert text == expected
         assert finish == reason
         assert usage.completion_tokens == count
@@ -314,19 +310,7 @@ def test_usage_reports_prompt_tokens_from_the_prefix_cache(served, offline, stre
     )
     cached = []
     for _ in range(2):
-        if stream:
-            chunks = list(
-                api.completions.create(
-                    model="llama-tiny",
-                    prompt=prompt,
-                    max_tokens=3,
-                    stream=True,
-                    stream_options={"include_usage": True},
-                )
-            )
-            usage = chunks[-1].usage
-        else:
-            usage = api.completions.create(model="llama-tiny", prompt=prompt, max_tokens=3).usage
+        _text, _finish, usage = complete(api, stream, prompt=prompt, max_tokens=3)
         cached.append(usage.prompt_tokens_details.cached_tokens)
     assert cached == [0, (prompt_len - 1) // 4 * 4]
     assert metric(base_url, "paddle_step_prefix_cache_queries_total") == queries + 2 * prompt_len

@@ -14,6 +14,7 @@ import pytest
 from paddle_step.engine.arg_utils import build_engine
 from paddle_step.entrypoints.openai import cli as serve
 from paddle_step.sampling_params import SamplingParams
+from paddle_step.testing.constraints import OBJECT_SCHEMA
 from paddle_step.testing.server_process import serve_in_thread
 
 MODEL = "pydoc-tiny"
@@ -227,23 +228,13 @@ def test_n_and_best_of_equal_offline(served, offline):
     assert [c.index for c in chat.choices] == [0, 1]
 
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 8},
-        "kind": {"enum": ["list", "dict", "set"]},
-        "size": {"type": "integer", "minimum": 0, "maximum": 99},
-        "mutable": {"type": "boolean"},
-    },
-    "required": ["name", "kind", "size", "mutable"],
-    "additionalProperties": False,
-}
-
-
 def test_structured_output_100_requests_at_temperature_1(served):
     api = openai.AsyncOpenAI(base_url=f"{served}/v1", api_key="unused", max_retries=0,
                              timeout=300)  # fmt: skip
-    response_format = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "thing", "schema": OBJECT_SCHEMA},
+    }
 
     async def one(i: int) -> str:
         response = await api.chat.completions.create(
@@ -257,7 +248,7 @@ def test_structured_output_100_requests_at_temperature_1(served):
 
     outputs = asyncio.run(run_all())
     for output in outputs:
-        jsonschema.validate(json.loads(output), SCHEMA)
+        jsonschema.validate(json.loads(output), OBJECT_SCHEMA)
     assert len(set(outputs)) > 10  # sampled, not one answer repeated
     plain = client(served).completions.create(
         model=MODEL,
