@@ -245,6 +245,12 @@ int64_t CpuLinearNumThreads() { return State().pool.size(); }
 
 cpu::ThreadPool& CpuThreadPool() { return State().pool; }
 
+cpu::Isa CpuIsa() {
+  const CpuLinearState& state = State();
+  if (!state.isa_error.empty()) throw std::invalid_argument(state.isa_error);
+  return state.isa;
+}
+
 void CpuLinearSetIsa(const std::string& name) {
   CpuLinearState& state = State();
   state.isa = ParseIsa("isa", name, state.best);

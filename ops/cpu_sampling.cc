@@ -1,5 +1,5 @@
 // cpu_sampling: validation of the CPU sampling step and its split over the
-// CPU thread pool. The kernel is ops/include/cpu_sampling_kernel.h; Python
+// CPU product's thread pool, on the product's instruction-set path. The kernel is ops/include/cpu_sampling_kernel.h; Python
 // reaches this through the pybind11 fast path (bindings.cc).
 #include <algorithm>
 #include <string>
@@ -176,13 +176,15 @@ std::vector<paddle::Tensor> CpuSample(
   }
   if (rows == 0) return outputs;
 
+  const cpu::Isa isa = CpuIsa();
   cpu::ThreadPool& pool = CpuThreadPool();
   const int tasks = static_cast<int>(std::min<int64_t>(
       {int64_t{pool.size()} * kTasksPerThread, rows, cpu::ThreadPool::kMaxTasks}));
   pool.Run(tasks, [&](int task) {
     thread_local cpu::sampling::RowScratch scratch;
     scratch.Reserve(b.vocab);
-    cpu::SampleRows(b, rows * task / tasks, rows * (task + 1) / tasks, scratch);
+    cpu::SampleRows(isa, b, rows * task / tasks, rows * (task + 1) / tasks,
+                    scratch);
   });
   return outputs;
 }

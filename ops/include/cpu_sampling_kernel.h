@@ -25,6 +25,18 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_float_vectors.h"
+#include "cpu_isa.h"
+
+// A row's functions are all inlined into SampleRowsLoop::Run, which RunOn
+// (cpu_float_vectors.h) compiles once per instruction set: their plain C++
+// loops then vectorize to that set's width.
+#if defined(__GNUC__)
+#define PADDLE_STEP_ROW_INLINE __attribute__((always_inline)) inline
+#else
+#define PADDLE_STEP_ROW_INLINE inline
+#endif
+
 namespace paddle_step::cpu {
 
 // The batch and its controls. A null pointer turns a control off for every
@@ -82,7 +94,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Branch-free, so the compiler vectorizes it at the baseline instruction set:
 // the range reduction x = n ln2 + r rounds with the 1.5 * 2^23 shift, a
 // degree-6 polynomial gives exp(r), and 2^n is built in the exponent bits.
-inline void ExpNonPositive(const float* in, float* out, int64_t count) {
+PADDLE_STEP_ROW_INLINE void ExpNonPositive(const float* in, float* out, int64_t count) {
   for (int64_t i = 0; i < count; ++i) {
     const float x = in[i];
     const float clamped = x < -87.0f ? -87.0f : x;
@@ -105,7 +117,7 @@ inline void ExpNonPositive(const float* in, float* out, int64_t count) {
 
 // Sum of `count` floats, in eight interleaved float lanes (vectorizable)
 // added up in double.
-inline double Sum(const float* values, int64_t count) {
+PADDLE_STEP_ROW_INLINE double Sum(const float* values, int64_t count) {
   float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t i = 0;
   for (; i + 8 <= count; i += 8) {
@@ -117,7 +129,7 @@ inline double Sum(const float* values, int64_t count) {
   return total;
 }
 
-inline float Max(const float* values, int64_t count) {
+PADDLE_STEP_ROW_INLINE float Max(const float* values, int64_t count) {
   float lanes[8];
   for (int j = 0; j < 8; ++j) lanes[j] = kNegInf;
   int64_t i = 0;
@@ -133,7 +145,7 @@ inline float Max(const float* values, int64_t count) {
 }
 
 // The lowest id among the largest values (0 when all are -inf or NaN).
-inline int64_t ArgMax(const float* values, int64_t count) {
+PADDLE_STEP_ROW_INLINE int64_t ArgMax(const float* values, int64_t count) {
   const float best = Max(values, count);
   for (int64_t i = 0; i < count; ++i) {
     if (values[i] == best) return i;
@@ -144,7 +156,7 @@ inline int64_t ArgMax(const float* values, int64_t count) {
 // Histogram keys of positive floats: the exponent and 3 leading mantissa bits,
 // in the order of the values (1.0f is key 1016).
 constexpr int kBuckets = 1024;
-inline int BucketOf(float value) {
+PADDLE_STEP_ROW_INLINE int BucketOf(float value) {
   uint32_t bits;
   std::memcpy(&bits, &value, sizeof(bits));
   return static_cast<int>(bits >> 20);
@@ -187,7 +199,7 @@ struct RowScratch {
 
 // The controls that change logits, on row `row` of `x` (a copy of its raw
 // logits), in the documented order.
-inline void ApplyControls(const SamplingBatch& b, int64_t row, float* x,
+PADDLE_STEP_ROW_INLINE void ApplyControls(const SamplingBatch& b, int64_t row, float* x,
                           RowScratch& scratch) {
   const int64_t vocab = b.vocab;
   if (b.allowed != nullptr) {
@@ -254,7 +266,7 @@ inline void ApplyControls(const SamplingBatch& b, int64_t row, float* x,
 }
 
 // Per-bucket counts and masses of `count` positive weights.
-inline void Histogram(const float* values, int64_t count, RowScratch& scratch) {
+PADDLE_STEP_ROW_INLINE void Histogram(const float* values, int64_t count, RowScratch& scratch) {
   std::fill(scratch.bucket_counts.begin(), scratch.bucket_counts.end(), 0);
   std::fill(scratch.bucket_mass.begin(), scratch.bucket_mass.end(), 0.0);
   for (int64_t i = 0; i < count; ++i) {
@@ -267,7 +279,7 @@ inline void Histogram(const float* values, int64_t count, RowScratch& scratch) {
 // Copies the `count` values that are > 0 and >= floor (and, for key >= 0, in
 // bucket `key`) to the front of `out`; returns how many. Branch-free: the
 // comparisons are unpredictable.
-inline int64_t Select(const float* values, int64_t count, float floor, int key,
+PADDLE_STEP_ROW_INLINE int64_t Select(const float* values, int64_t count, float floor, int key,
                       float* out) {
   int64_t kept = 0;
   for (int64_t i = 0; i < count; ++i) {
@@ -283,7 +295,7 @@ constexpr auto kDescending = [](float a, float c) { return a > c; };
 // The top_k floor of the weights e >= floor: the k-th largest of them
 // (`floor` when there are at most k). A histogram of their values finds the
 // bucket that holds it; only that bucket is partitioned.
-inline float TopKFloor(const float* e, int64_t vocab, float floor, int64_t k,
+PADDLE_STEP_ROW_INLINE float TopKFloor(const float* e, int64_t vocab, float floor, int64_t k,
                        RowScratch& scratch) {
   float* kept = scratch.gathered.data();
   const int64_t count = Select(e, vocab, floor, -1, kept);
@@ -303,7 +315,7 @@ inline float TopKFloor(const float* e, int64_t vocab, float floor, int64_t k,
 // leaves the need unmet: all stay). Few are sorted; of many, a histogram of
 // their values finds the bucket where the mass reaches `need`, and only that
 // bucket is sorted.
-inline float NucleusFloor(const float* e, int64_t vocab, float floor,
+PADDLE_STEP_ROW_INLINE float NucleusFloor(const float* e, int64_t vocab, float floor,
                           double need, RowScratch& scratch) {
   float* kept = scratch.gathered.data();
   int64_t count = Select(e, vocab, floor, -1, kept);
@@ -331,7 +343,7 @@ inline float NucleusFloor(const float* e, int64_t vocab, float floor,
 }
 
 // Sum of the values >= floor, in eight float lanes added up in double.
-inline double SumAtLeast(const float* values, int64_t count, float floor) {
+PADDLE_STEP_ROW_INLINE double SumAtLeast(const float* values, int64_t count, float floor) {
   float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t i = 0;
   for (; i + 8 <= count; i += 8) {
@@ -346,7 +358,7 @@ inline double SumAtLeast(const float* values, int64_t count, float floor) {
 }
 
 // The last id of positive weight in `w`; -1 when there is none.
-inline int64_t LastPositive(const float* w, int64_t vocab) {
+PADDLE_STEP_ROW_INLINE int64_t LastPositive(const float* w, int64_t vocab) {
   for (int64_t i = vocab - 1; i >= 0; --i) {
     if (w[i] > 0.0f) return i;
   }
@@ -357,7 +369,7 @@ inline int64_t LastPositive(const float* w, int64_t vocab) {
 // kept) passes `target`; the last one of positive weight when none does
 // (rounding), -1 when all weights are 0. Blocks whose sum keeps the running
 // sum at or under the target are skipped whole.
-inline int64_t InvertCdf(const float* w, int64_t vocab, float target) {
+PADDLE_STEP_ROW_INLINE int64_t InvertCdf(const float* w, int64_t vocab, float target) {
   constexpr int64_t kBlock = 64;
   float cdf = 0.0f;
   for (int64_t start = 0; start < vocab; start += kBlock) {
@@ -376,7 +388,7 @@ inline int64_t InvertCdf(const float* w, int64_t vocab, float target) {
 }
 
 // The sampled token of a row whose controlled logits are `x`.
-inline int64_t Draw(const SamplingBatch& b, int64_t row, const float* x,
+PADDLE_STEP_ROW_INLINE int64_t Draw(const SamplingBatch& b, int64_t row, const float* x,
                     RowScratch& scratch) {
   const int64_t vocab = b.vocab;
   float* e = scratch.weights.data();
@@ -404,7 +416,7 @@ inline int64_t Draw(const SamplingBatch& b, int64_t row, const float* x,
 }
 
 // Logprobs of row `row`'s raw logits: the chosen token's and the top ones.
-inline void Logprobs(const SamplingBatch& b, int64_t row, const float* raw,
+PADDLE_STEP_ROW_INLINE void Logprobs(const SamplingBatch& b, int64_t row, const float* raw,
                      int64_t token, RowScratch& scratch) {
   const int64_t vocab = b.vocab;
   float* shifted = scratch.weights.data();
@@ -438,21 +450,34 @@ inline void Logprobs(const SamplingBatch& b, int64_t row, const float* raw,
 
 }  // namespace sampling
 
-// Samples rows [begin, end) of `b` with `scratch` (of b.vocab entries).
-inline void SampleRows(const SamplingBatch& b, int64_t begin, int64_t end,
-                       sampling::RowScratch& scratch) {
-  const int64_t vocab = b.vocab;
-  for (int64_t row = begin; row < end; ++row) {
-    const float* raw = b.logits + row * b.logits_stride;
-    float* x = scratch.logits.data();
-    std::copy(raw, raw + vocab, x);
-    sampling::ApplyControls(b, row, x, scratch);
-    const bool greedy = b.uniforms == nullptr || !(b.temperature[row] > 0.0f);
-    const int64_t token = greedy ? sampling::ArgMax(x, vocab)
-                                 : sampling::Draw(b, row, x, scratch);
-    b.tokens[row] = token;
-    if (b.top_logprobs >= 0) sampling::Logprobs(b, row, raw, token, scratch);
+// Rows [begin, end) of `*b` with `*scratch` (reserved for b->vocab), as a
+// RunOn loop: the Floats type only picks the instruction set it compiles for.
+struct SampleRowsLoop {
+  template <typename Floats>
+  __attribute__((always_inline)) static void Run(const SamplingBatch* b,
+                                                 int64_t begin, int64_t end,
+                                                 sampling::RowScratch* scratch) {
+    const int64_t vocab = b->vocab;
+    for (int64_t row = begin; row < end; ++row) {
+      const float* raw = b->logits + row * b->logits_stride;
+      float* x = scratch->logits.data();
+      std::copy(raw, raw + vocab, x);
+      sampling::ApplyControls(*b, row, x, *scratch);
+      const bool greedy = b->uniforms == nullptr || !(b->temperature[row] > 0.0f);
+      const int64_t token = greedy ? sampling::ArgMax(x, vocab)
+                                   : sampling::Draw(*b, row, x, *scratch);
+      b->tokens[row] = token;
+      if (b->top_logprobs >= 0) sampling::Logprobs(*b, row, raw, token, *scratch);
+    }
   }
+};
+
+// Samples rows [begin, end) of `b` with `scratch` on `isa`'s vectors. Every
+// path computes the same float32 operations element by element.
+inline void SampleRows(Isa isa, const SamplingBatch& b, int64_t begin,
+                       int64_t end, sampling::RowScratch& scratch) {
+  int lanes = 1;
+  RunOn<SampleRowsLoop>(isa, &lanes, &b, begin, end, &scratch);
 }
 
 }  // namespace paddle_step::cpu

@@ -18,9 +18,8 @@ import paddle
 import pytest
 
 from paddle_step.layers import cpu_linear
+from paddle_step.testing.cpu_paths import ISA_PATHS, on_isa, runs_here
 
-ISA_PATHS = ("scalar", "avx2", "avx512", "avx512_bf16")
-ISA_RANK = {name: rank for rank, name in enumerate(ISA_PATHS)}
 FORMATS = (("float32", None), ("bfloat16", None), ("int8", None), ("int8", 32))
 UNIT_ROUNDOFF = 2.0**-24
 
@@ -117,11 +116,10 @@ def format_case(index, weight_format, group_size):
 
 @pytest.fixture(params=ISA_PATHS)
 def isa_path(request):
-    if ISA_RANK[request.param] > ISA_RANK[cpu_linear.best_isa()]:
+    if not runs_here(request.param):
         pytest.skip(f"this CPU runs up to {cpu_linear.best_isa()}, not {request.param}")
-    cpu_linear.set_isa(request.param)
-    yield request.param
-    cpu_linear.set_isa("auto")
+    with on_isa(request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize("weight_format, group_size", FORMATS)
