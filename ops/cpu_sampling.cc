@@ -1,6 +1,7 @@
 // cpu_sampling: validation of the CPU sampling step and its split over the
-// CPU product's thread pool, on the product's instruction-set path. The kernel is ops/include/cpu_sampling_kernel.h; Python
-// reaches this through the pybind11 fast path (bindings.cc).
+// CPU product's thread pool, on the product's instruction-set path. The
+// kernel is ops/include/cpu_sampling_kernel.h; Python reaches this through
+// the pybind11 fast path (bindings.cc).
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -98,7 +99,8 @@ std::vector<paddle::Tensor> CpuSample(
   b.logits = Matrix<float>("logits", logits, DataType::FLOAT32, b.rows, &width,
                            &b.logits_stride);
   const int64_t rows = b.rows;
-  b.temperature = Vector<float>("temperature", temperature, DataType::FLOAT32, rows);
+  b.temperature =
+      Vector<float>("temperature", temperature, DataType::FLOAT32, rows);
   b.top_p = Vector<float>("top_p", top_p, DataType::FLOAT32, rows);
   b.top_k = Vector<int64_t>("top_k", top_k, DataType::INT64, rows);
   b.min_p = Vector<float>("min_p", min_p, DataType::FLOAT32, rows);
@@ -115,7 +117,8 @@ std::vector<paddle::Tensor> CpuSample(
     Requires("step_idx", step_idx, "stop_ids");
     b.stop_ids = DenseMatrix<int64_t>("stop_ids", *stop_ids, DataType::INT64,
                                       rows, &b.stop_width);
-    b.min_tokens = Vector<int64_t>("min_tokens", min_tokens, DataType::INT64, rows);
+    b.min_tokens =
+        Vector<int64_t>("min_tokens", min_tokens, DataType::INT64, rows);
   }
   if (output_ids) {
     Requires("step_idx", step_idx, "output_ids");
@@ -168,8 +171,10 @@ std::vector<paddle::Tensor> CpuSample(
   b.tokens = outputs[0].data<int64_t>();
   if (top_logprobs >= 0) {
     outputs.push_back(paddle::empty({rows}, DataType::FLOAT32, cpu));
-    outputs.push_back(paddle::empty({rows, top_logprobs}, DataType::INT64, cpu));
-    outputs.push_back(paddle::empty({rows, top_logprobs}, DataType::FLOAT32, cpu));
+    outputs.push_back(
+        paddle::empty({rows, top_logprobs}, DataType::INT64, cpu));
+    outputs.push_back(
+        paddle::empty({rows, top_logprobs}, DataType::FLOAT32, cpu));
     b.chosen_logprobs = outputs[1].data<float>();
     b.top_ids = outputs[2].data<int64_t>();
     b.top_values = outputs[3].data<float>();
@@ -179,7 +184,8 @@ std::vector<paddle::Tensor> CpuSample(
   const cpu::Isa isa = CpuIsa();
   cpu::ThreadPool& pool = CpuThreadPool();
   const int tasks = static_cast<int>(std::min<int64_t>(
-      {int64_t{pool.size()} * kTasksPerThread, rows, cpu::ThreadPool::kMaxTasks}));
+      {int64_t{pool.size()} * kTasksPerThread, rows,
+       cpu::ThreadPool::kMaxTasks}));
   pool.Run(tasks, [&](int task) {
     thread_local cpu::sampling::RowScratch scratch;
     scratch.Reserve(b.vocab);

@@ -94,11 +94,13 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Branch-free, so the compiler vectorizes it at the baseline instruction set:
 // the range reduction x = n ln2 + r rounds with the 1.5 * 2^23 shift, a
 // degree-6 polynomial gives exp(r), and 2^n is built in the exponent bits.
-PADDLE_STEP_ROW_INLINE void ExpNonPositive(const float* in, float* out, int64_t count) {
+PADDLE_STEP_ROW_INLINE void ExpNonPositive(const float* in, float* out,
+                                           int64_t count) {
   for (int64_t i = 0; i < count; ++i) {
     const float x = in[i];
     const float clamped = x < -87.0f ? -87.0f : x;
-    const float n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const float n =
+        (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     float r = clamped - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
     float p = 1.9875691500e-4f;
@@ -199,8 +201,8 @@ struct RowScratch {
 
 // The controls that change logits, on row `row` of `x` (a copy of its raw
 // logits), in the documented order.
-PADDLE_STEP_ROW_INLINE void ApplyControls(const SamplingBatch& b, int64_t row, float* x,
-                          RowScratch& scratch) {
+PADDLE_STEP_ROW_INLINE void ApplyControls(const SamplingBatch& b, int64_t row,
+                                          float* x, RowScratch& scratch) {
   const int64_t vocab = b.vocab;
   if (b.allowed != nullptr) {
     const bool* allowed = b.allowed + row * vocab;
@@ -231,8 +233,8 @@ PADDLE_STEP_ROW_INLINE void ApplyControls(const SamplingBatch& b, int64_t row, f
       scratch.touched.push_back(id);
     }
   };
-  const int64_t generated =
-      std::min<int64_t>(std::max<int64_t>(b.step_idx[row], 0), b.output_width - 1);
+  const int64_t generated = std::min<int64_t>(
+      std::max<int64_t>(b.step_idx[row], 0), b.output_width - 1);
   const int64_t* output = b.output_ids + row * b.output_width;
   for (int64_t k = 1; k <= generated; ++k) {
     const int64_t id = output[k];
@@ -266,7 +268,8 @@ PADDLE_STEP_ROW_INLINE void ApplyControls(const SamplingBatch& b, int64_t row, f
 }
 
 // Per-bucket counts and masses of `count` positive weights.
-PADDLE_STEP_ROW_INLINE void Histogram(const float* values, int64_t count, RowScratch& scratch) {
+PADDLE_STEP_ROW_INLINE void Histogram(const float* values, int64_t count,
+                                      RowScratch& scratch) {
   std::fill(scratch.bucket_counts.begin(), scratch.bucket_counts.end(), 0);
   std::fill(scratch.bucket_mass.begin(), scratch.bucket_mass.end(), 0.0);
   for (int64_t i = 0; i < count; ++i) {
@@ -277,15 +280,16 @@ PADDLE_STEP_ROW_INLINE void Histogram(const float* values, int64_t count, RowScr
 }
 
 // Copies the `count` values that are > 0 and >= floor (and, for key >= 0, in
-// bucket `key`) to the front of `out`; returns how many. Branch-free: the
-// comparisons are unpredictable.
-PADDLE_STEP_ROW_INLINE int64_t Select(const float* values, int64_t count, float floor, int key,
-                      float* out) {
+// bucket `key`) to the front of `out`; returns how many. The test is mostly
+// true (no cut yet) or mostly false (past a cut), so it predicts well.
+PADDLE_STEP_ROW_INLINE int64_t Select(const float* values, int64_t count,
+                                      float floor, int key, float* out) {
   int64_t kept = 0;
   for (int64_t i = 0; i < count; ++i) {
-    out[kept] = values[i];
-    kept += values[i] > 0.0f && values[i] >= floor &&
-            (key < 0 || BucketOf(values[i]) == key);
+    if (values[i] > 0.0f && values[i] >= floor &&
+        (key < 0 || BucketOf(values[i]) == key)) {
+      out[kept++] = values[i];
+    }
   }
   return kept;
 }
@@ -295,15 +299,18 @@ constexpr auto kDescending = [](float a, float c) { return a > c; };
 // The top_k floor of the weights e >= floor: the k-th largest of them
 // (`floor` when there are at most k). A histogram of their values finds the
 // bucket that holds it; only that bucket is partitioned.
-PADDLE_STEP_ROW_INLINE float TopKFloor(const float* e, int64_t vocab, float floor, int64_t k,
-                       RowScratch& scratch) {
+PADDLE_STEP_ROW_INLINE float TopKFloor(const float* e, int64_t vocab,
+                                       float floor, int64_t k,
+                                       RowScratch& scratch) {
   float* kept = scratch.gathered.data();
   const int64_t count = Select(e, vocab, floor, -1, kept);
   if (count <= k) return floor;
   Histogram(kept, count, scratch);
   int64_t above = 0;
   int key = kBuckets - 1;
-  while (above + scratch.bucket_counts[key] < k) above += scratch.bucket_counts[key--];
+  while (above + scratch.bucket_counts[key] < k) {
+    above += scratch.bucket_counts[key--];
+  }
   const int64_t in_bucket = Select(kept, count, floor, key, kept);
   const int64_t rank = k - above - 1;
   std::nth_element(kept, kept + rank, kept + in_bucket, kDescending);
@@ -315,8 +322,9 @@ PADDLE_STEP_ROW_INLINE float TopKFloor(const float* e, int64_t vocab, float floo
 // leaves the need unmet: all stay). Few are sorted; of many, a histogram of
 // their values finds the bucket where the mass reaches `need`, and only that
 // bucket is sorted.
-PADDLE_STEP_ROW_INLINE float NucleusFloor(const float* e, int64_t vocab, float floor,
-                          double need, RowScratch& scratch) {
+PADDLE_STEP_ROW_INLINE float NucleusFloor(const float* e, int64_t vocab,
+                                          float floor, double need,
+                                          RowScratch& scratch) {
   float* kept = scratch.gathered.data();
   int64_t count = Select(e, vocab, floor, -1, kept);
   double mass = 0.0;  // of the values before kept[0 .. count)
@@ -343,7 +351,8 @@ PADDLE_STEP_ROW_INLINE float NucleusFloor(const float* e, int64_t vocab, float f
 }
 
 // Sum of the values >= floor, in eight float lanes added up in double.
-PADDLE_STEP_ROW_INLINE double SumAtLeast(const float* values, int64_t count, float floor) {
+PADDLE_STEP_ROW_INLINE double SumAtLeast(const float* values, int64_t count,
+                                         float floor) {
   float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t i = 0;
   for (; i + 8 <= count; i += 8) {
@@ -369,7 +378,8 @@ PADDLE_STEP_ROW_INLINE int64_t LastPositive(const float* w, int64_t vocab) {
 // kept) passes `target`; the last one of positive weight when none does
 // (rounding), -1 when all weights are 0. Blocks whose sum keeps the running
 // sum at or under the target are skipped whole.
-PADDLE_STEP_ROW_INLINE int64_t InvertCdf(const float* w, int64_t vocab, float target) {
+PADDLE_STEP_ROW_INLINE int64_t InvertCdf(const float* w, int64_t vocab,
+                                         float target) {
   constexpr int64_t kBlock = 64;
   float cdf = 0.0f;
   for (int64_t start = 0; start < vocab; start += kBlock) {
@@ -388,8 +398,8 @@ PADDLE_STEP_ROW_INLINE int64_t InvertCdf(const float* w, int64_t vocab, float ta
 }
 
 // The sampled token of a row whose controlled logits are `x`.
-PADDLE_STEP_ROW_INLINE int64_t Draw(const SamplingBatch& b, int64_t row, const float* x,
-                    RowScratch& scratch) {
+PADDLE_STEP_ROW_INLINE int64_t Draw(const SamplingBatch& b, int64_t row,
+                                    const float* x, RowScratch& scratch) {
   const int64_t vocab = b.vocab;
   float* e = scratch.weights.data();
   const float scale = std::max(b.temperature[row], 1e-6f);
@@ -401,9 +411,12 @@ PADDLE_STEP_ROW_INLINE int64_t Draw(const SamplingBatch& b, int64_t row, const f
 
   float floor = b.min_p != nullptr ? b.min_p[row] : 0.0f;
   const int64_t top_k = b.top_k != nullptr ? b.top_k[row] : 0;
-  if (top_k > 0 && top_k < vocab) floor = TopKFloor(e, vocab, floor, top_k, scratch);
+  if (top_k > 0 && top_k < vocab) {
+    floor = TopKFloor(e, vocab, floor, top_k, scratch);
+  }
   if (b.top_p[row] < 1.0f) {
-    const double need = static_cast<double>(b.top_p[row]) * SumAtLeast(e, vocab, floor);
+    const double need =
+        static_cast<double>(b.top_p[row]) * SumAtLeast(e, vocab, floor);
     floor = NucleusFloor(e, vocab, floor, need, scratch);
   }
   for (int64_t i = 0; i < vocab; ++i) e[i] = e[i] >= floor ? e[i] : 0.0f;
@@ -416,8 +429,9 @@ PADDLE_STEP_ROW_INLINE int64_t Draw(const SamplingBatch& b, int64_t row, const f
 }
 
 // Logprobs of row `row`'s raw logits: the chosen token's and the top ones.
-PADDLE_STEP_ROW_INLINE void Logprobs(const SamplingBatch& b, int64_t row, const float* raw,
-                     int64_t token, RowScratch& scratch) {
+PADDLE_STEP_ROW_INLINE void Logprobs(const SamplingBatch& b, int64_t row,
+                                     const float* raw, int64_t token,
+                                     RowScratch& scratch) {
   const int64_t vocab = b.vocab;
   float* shifted = scratch.weights.data();
   const float top = Max(raw, vocab);
@@ -454,20 +468,23 @@ PADDLE_STEP_ROW_INLINE void Logprobs(const SamplingBatch& b, int64_t row, const 
 // RunOn loop: the Floats type only picks the instruction set it compiles for.
 struct SampleRowsLoop {
   template <typename Floats>
-  __attribute__((always_inline)) static void Run(const SamplingBatch* b,
-                                                 int64_t begin, int64_t end,
-                                                 sampling::RowScratch* scratch) {
+  __attribute__((always_inline)) static void Run(
+      const SamplingBatch* b, int64_t begin, int64_t end,
+      sampling::RowScratch* scratch) {
     const int64_t vocab = b->vocab;
     for (int64_t row = begin; row < end; ++row) {
       const float* raw = b->logits + row * b->logits_stride;
       float* x = scratch->logits.data();
       std::copy(raw, raw + vocab, x);
       sampling::ApplyControls(*b, row, x, *scratch);
-      const bool greedy = b->uniforms == nullptr || !(b->temperature[row] > 0.0f);
+      const bool greedy =
+          b->uniforms == nullptr || !(b->temperature[row] > 0.0f);
       const int64_t token = greedy ? sampling::ArgMax(x, vocab)
                                    : sampling::Draw(*b, row, x, *scratch);
       b->tokens[row] = token;
-      if (b->top_logprobs >= 0) sampling::Logprobs(*b, row, raw, token, *scratch);
+      if (b->top_logprobs >= 0) {
+        sampling::Logprobs(*b, row, raw, token, *scratch);
+      }
     }
   }
 };
