@@ -71,6 +71,7 @@ def instrument(engine, timer: PartTimer) -> None:
     timer.wrap(runner.kv_cache, "write_kept", "kv_write")
     timer.wrap(runner.kv_cache, "gather_head_major", "kv_gather")
     timer.wrap(model, "_attention", "attention")
+    timer.wrap(runner.kv_cache, "decode_attention", "attention")  # our CPU op's
     timer.wrap(runner, "forward", "forward")
     timer.wrap(runner, "sample", "sampling")
     timer.wrap(runner, "update_inputs", "update_inputs")

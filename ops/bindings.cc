@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_attention_ops.h"
+#include "cpu_decoder_layer_ops.h"
 #include "cpu_linear_ops.h"
 #include "cpu_sampling_ops.h"
 #include "paddle/utils/pybind.h"
@@ -56,6 +58,19 @@ pybind11::list StepPaddleTensorTable() {
   PADDLE_STEP_STEP_PADDLE_TENSORS(PADDLE_STEP_ROW)
 #undef PADDLE_STEP_ROW
   return table;
+}
+
+// (weights, scales or None, bias or None, n, group_size): a product as
+// layers/cpu_linear.py describes it.
+paddle_step::PackedLinear PackedLinearOf(const pybind11::tuple& linear) {
+  if (linear.size() != 5) {
+    throw std::invalid_argument(
+        "cpu_decoder_layer: expected a product as (weights, scales, bias, n, "
+        "group_size), got a tuple of " + std::to_string(linear.size()));
+  }
+  return {linear[0].cast<paddle::Tensor>(), OptionalTensor(linear[1]),
+          OptionalTensor(linear[2]), linear[3].cast<int64_t>(),
+          linear[4].cast<int64_t>()};
 }
 
 }  // namespace
@@ -127,6 +142,45 @@ PYBIND11_MODULE(paddle_step_ops, module) {
              pybind11::arg("name"));
   module.def("cpu_linear_isa", &paddle_step::CpuLinearIsa);
   module.def("cpu_linear_best_isa", &paddle_step::CpuLinearBestIsa);
+  module.def("cpu_write_kv", &paddle_step::CpuWriteKv,
+             pybind11::arg("key_cache"), pybind11::arg("value_cache"),
+             pybind11::arg("layer"), pybind11::arg("slots"), pybind11::arg("k"),
+             pybind11::arg("v"));
+  module.def("cpu_decode_attention", &paddle_step::CpuDecodeAttention,
+             pybind11::arg("q"), pybind11::arg("key_cache"),
+             pybind11::arg("value_cache"), pybind11::arg("layer"),
+             pybind11::arg("block_tables"), pybind11::arg("rows"),
+             pybind11::arg("positions"), pybind11::arg("block_size"),
+             pybind11::arg("scale"));
+  module.def(
+      "cpu_decoder_layer",
+      [](const paddle::Tensor& x, const paddle::Tensor& attn_norm,
+         const pybind11::tuple& qkv, const pybind11::tuple& o,
+         const paddle::Tensor& mlp_norm, const pybind11::tuple& gate_up,
+         const pybind11::tuple& down, int64_t heads, int64_t kv_heads,
+         int64_t head_dim, double eps, const paddle::Tensor& cos,
+         const paddle::Tensor& sin, paddle::Tensor& key_cache,
+         paddle::Tensor& value_cache, int64_t layer,
+         const paddle::Tensor& slots, const paddle::Tensor& block_tables,
+         const paddle::Tensor& rows, const paddle::Tensor& positions,
+         int64_t block_size) {
+        const paddle_step::DecoderLayerWeights weights{
+            attn_norm, PackedLinearOf(qkv), PackedLinearOf(o), mlp_norm,
+            PackedLinearOf(gate_up), PackedLinearOf(down)};
+        return paddle_step::CpuDecoderLayer(
+            x, weights, heads, kv_heads, head_dim, eps, cos, sin, key_cache,
+            value_cache, layer, slots, block_tables, rows, positions,
+            block_size);
+      },
+      pybind11::arg("x"), pybind11::arg("attn_norm"), pybind11::arg("qkv"),
+      pybind11::arg("o"), pybind11::arg("mlp_norm"), pybind11::arg("gate_up"),
+      pybind11::arg("down"), pybind11::arg("heads"), pybind11::arg("kv_heads"),
+      pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("cos"),
+      pybind11::arg("sin"), pybind11::arg("key_cache"),
+      pybind11::arg("value_cache"), pybind11::arg("layer"),
+      pybind11::arg("slots"), pybind11::arg("block_tables"),
+      pybind11::arg("rows"), pybind11::arg("positions"),
+      pybind11::arg("block_size"));
   module.def(
       "cpu_sample",
       [](const paddle::Tensor& logits, const paddle::Tensor& temperature,

@@ -16,6 +16,7 @@
 #include "cpu_linear_kernel.h"
 #include "cpu_linear_ops.h"
 #include "cpu_read_sum.h"
+#include "cpu_runtime.h"
 #include "cpu_thread_pool.h"
 #include "input_checks.h"
 
@@ -243,14 +244,6 @@ void CpuLinearSetNumThreads(int64_t threads) {
 
 int64_t CpuLinearNumThreads() { return State().pool.size(); }
 
-cpu::ThreadPool& CpuThreadPool() { return State().pool; }
-
-cpu::Isa CpuIsa() {
-  const CpuLinearState& state = State();
-  if (!state.isa_error.empty()) throw std::invalid_argument(state.isa_error);
-  return state.isa;
-}
-
 void CpuLinearSetIsa(const std::string& name) {
   CpuLinearState& state = State();
   state.isa = ParseIsa("isa", name, state.best);
@@ -299,6 +292,14 @@ double CpuFmaRate(int64_t iterations) {
     if (results[task] != results[task]) return 0.0;  // uses the results
   }
   return total / elapsed.count();
+}
+
+cpu::ThreadPool& CpuThreadPool() { return State().pool; }
+
+cpu::Isa CpuActiveIsa() {
+  const CpuLinearState& state = State();
+  if (!state.isa_error.empty()) throw std::invalid_argument(state.isa_error);
+  return state.isa;
 }
 
 }  // namespace paddle_step

@@ -6,10 +6,9 @@
 #include <string>
 #include <vector>
 
-#include "cpu_linear_ops.h"
+#include "cpu_runtime.h"
 #include "cpu_sampling_kernel.h"
 #include "cpu_sampling_ops.h"
-#include "cpu_thread_pool.h"
 #include "input_checks.h"
 
 namespace paddle_step {
@@ -181,7 +180,7 @@ std::vector<paddle::Tensor> CpuSample(
   }
   if (rows == 0) return outputs;
 
-  const cpu::Isa isa = CpuIsa();
+  const cpu::Isa isa = CpuActiveIsa();
   cpu::ThreadPool& pool = CpuThreadPool();
   const int tasks = static_cast<int>(std::min<int64_t>(
       {int64_t{pool.size()} * kTasksPerThread, rows,

@@ -7,8 +7,6 @@
 #include <string>
 #include <vector>
 
-#include "cpu_isa.h"
-#include "cpu_thread_pool.h"
 #include "paddle/extension.h"
 
 namespace paddle_step {
@@ -38,10 +36,6 @@ paddle::Tensor CpuLinear(const paddle::Tensor& x, const paddle::Tensor& weights,
 // Threads a product runs on (the caller's included); at least 1.
 void CpuLinearSetNumThreads(int64_t threads);
 int64_t CpuLinearNumThreads();
-// The pool and the instruction-set path the products run on (and the CPU
-// sampler's rows: cpu_sampling.cc). CpuIsa throws a bad PADDLE_STEP_CPU_ISA.
-cpu::ThreadPool& CpuThreadPool();
-cpu::Isa CpuIsa();
 
 // The instruction-set path products run on: "auto" (the best this CPU has) or
 // one of "scalar", "avx2", "avx512", "avx512_bf16" that the CPU supports.

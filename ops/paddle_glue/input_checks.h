@@ -152,15 +152,9 @@ class InputChecker {
     }
   }
 
-  void Positive(const char* argument, int64_t value) const {
-    if (value <= 0) {
-      Fail(argument, "a positive integer", std::to_string(value));
-    }
-  }
-
-  // A plain row-major CPU array: what the CPU kernels index. Strides are
-  // checked where the tensor has them (a strided view); a tensor without them
-  // is dense.
+  // A CPU tensor in plain row-major order: what the CPU kernels index.
+  // Strides are checked where the tensor has them (a strided view); a tensor
+  // without them is dense.
   void DenseCpu(const char* name, const paddle::Tensor& tensor) const {
     if (!tensor.is_cpu()) {
       Fail(name, "a CPU tensor", "a tensor on " + PlaceString(tensor));
@@ -176,6 +170,12 @@ class InputChecker {
                  " for shape " + ShapeString(dims.Get(), dims.size()));
       }
       expected *= dims[i];
+    }
+  }
+
+  void Positive(const char* argument, int64_t value) const {
+    if (value <= 0) {
+      Fail(argument, "a positive integer", std::to_string(value));
     }
   }
 

@@ -335,6 +335,12 @@ class DenseBlock:
             return tuple(output[:rows] for output in outputs)
         return outputs[:rows]
 
+    def way_for(self, rows: int) -> str | None:
+        """The way a call with ``rows`` rows runs, or None while that is not measured yet."""
+        if len(self._functions) == 1:
+            return next(iter(self._functions))
+        return self.forced or self.choice.get(padded_rows(rows))
+
     def __call__(self, *args):
         if len(self._functions) == 1:
             return self.run(next(iter(self._functions)), *args)
@@ -385,6 +391,15 @@ class ModelBlocks(NamedTuple):
     def use_op(self) -> bool:
         """Whether the layers must hand the blocks packed weights too."""
         return any("op" in block.methods for block in self)
+
+    def fuse_layers(self, rows: int) -> bool:
+        """Whether a layer's blocks over ``rows`` decode tokens may run as one CPU call
+        (``ops/cpu_decoder_layer.cc``): both run our op for that many rows (measured or
+        forced), on one rank (a tensor-parallel shard all-reduces between products)."""
+        layer_blocks = (self.attention_inputs, self.output_and_mlp)
+        return self.attention_inputs.agree is None and all(
+            block.way_for(rows) == "op" for block in layer_blocks
+        )
 
 
 def model_blocks(config: ModelConfig, all_reduce: AllReduceFn | None = None) -> ModelBlocks:

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, TypedDict
 import numpy as np
 import paddle
 
+import paddle_step_ops as _library
+
 if TYPE_CHECKING:
     from ..config import ModelConfig
 
@@ -36,11 +38,21 @@ class KeptSlots:
         return x if self._index is None else paddle.gather(x, self._index)
 
 
+def _dense(x: paddle.Tensor) -> paddle.Tensor:
+    """``x`` in plain row-major order (a split or slice may be a strided view)."""
+    return x if x.is_contiguous() else x.contiguous()
+
+
 class PagedKVCache:
     """K and V of every layer, stored by slot (``slot = block_id * block_size + offset``).
 
     ``key`` and ``value`` have shape [num_layers, num_blocks * block_size, num_kv_heads,
     head_dim]; a sequence's tokens live in whichever blocks its block-table row names.
+
+    A float32 or float64 cache on the CPU is written and read by our CPU ops
+    (``ops/cpu_paged_attention.cc``): each decode token's attention reads its keys and
+    values in place, through its block-table row. Elsewhere the writes are index puts
+    and attention reads a gathered copy (``head_major_rows``, ``gather_head_major``).
     """
 
     def __init__(
@@ -61,6 +73,10 @@ class PagedKVCache:
         shape = [num_layers, num_blocks * block_size, num_kv_heads, head_dim]
         self.key = paddle.zeros(shape, dtype=dtype)
         self.value = paddle.zeros(shape, dtype=dtype)
+        self.uses_cpu_ops = self.key.place.is_cpu_place() and self.key.dtype in (
+            paddle.float32,
+            paddle.float64,
+        )
 
     @classmethod
     def for_config(cls, config: ModelConfig, num_blocks: int, block_size: int) -> PagedKVCache:
@@ -90,6 +106,10 @@ class PagedKVCache:
         """``write`` with the kept entries found beforehand (once per step, for every layer)."""
         if kept.count == 0:
             return
+        if self.uses_cpu_ops:
+            _library.cpu_write_kv(self.key, self.value, layer, kept.slots,
+                                  _dense(kept.select(k)), _dense(kept.select(v)))  # fmt: skip
+            return
         layer_index = paddle.full_like(kept.slots, layer)
         paddle.index_put_(self.key, (layer_index, kept.slots), kept.select(k))
         paddle.index_put_(self.value, (layer_index, kept.slots), kept.select(v))
@@ -113,6 +133,24 @@ class PagedKVCache:
         k = paddle.gather(self.key[layer].reshape([-1, head_dim]), flat)
         v = paddle.gather(self.value[layer].reshape([-1, head_dim]), flat)
         return k.reshape([*rows.shape, head_dim]), v.reshape([*rows.shape, head_dim])
+
+    def decode_attention(
+        self,
+        layer: int,
+        q: paddle.Tensor,
+        block_tables: paddle.Tensor,
+        rows: paddle.Tensor,
+        positions: paddle.Tensor,
+        scale: float,
+    ) -> paddle.Tensor:
+        """Attention of decode tokens ``q`` [T, heads, head_dim] over their own sequences'
+        keys in ``layer``: token t reads row ``rows[t]`` of ``block_tables`` at positions
+        ``0 .. positions[t]`` (columns past the table or holding -1 have no key). Returns
+        [T, heads * head_dim]. Only for a cache with ``uses_cpu_ops``."""
+        return _library.cpu_decode_attention(
+            _dense(q), self.key, self.value, layer, _dense(block_tables), rows, positions,
+            self.block_size, scale,
+        )  # fmt: skip
 
 
 def slots_through_table(

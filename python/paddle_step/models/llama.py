@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import paddle
 from paddle import nn
+
+import paddle_step_ops
 
 from ..config import ModelConfig
 from ..layers import cpu_linear
@@ -215,6 +218,44 @@ class DecoderLayer(nn.Layer):
             *_present(self.o_bias),
         )
 
+    def forward_decode(
+        self,
+        x: paddle.Tensor,
+        rope: tuple[paddle.Tensor, paddle.Tensor],
+        kv_cache: PagedKVCache,
+        index: int,
+        batch: DecodeBatch,
+    ) -> paddle.Tensor:
+        """``forward`` over decode tokens only, as one call of our CPU op (which writes
+        their K/V into layer ``index`` of ``kv_cache`` and attends through their block-table
+        rows): for a float32 cache with ``uses_cpu_ops`` and blocks that
+        ``fuse_layers``."""
+        w_qkv, qkv_bias, w_o, w_gate_up, w_down = self._dense_weights()
+        cfg = self.config
+
+        def product(weight: DenseWeight, bias: paddle.Tensor | None = None) -> tuple:
+            packed = weight.packed
+            return (packed.weights, packed.scales, bias, packed.n, packed.group_size)
+
+        cos, sin = rope
+        return paddle_step_ops.cpu_decoder_layer(
+            x, self.attn_norm.weight, product(w_qkv, qkv_bias), product(w_o, self.o_bias),
+            self.mlp_norm.weight, product(w_gate_up), product(w_down), cfg.num_heads,
+            cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps, cos.reshape([-1, cfg.head_dim]),
+            sin.reshape([-1, cfg.head_dim]), kv_cache.key, kv_cache.value, index,
+            batch.slots, batch.block_tables, batch.rows, batch.positions, kv_cache.block_size,
+        )  # fmt: skip
+
+
+class DecodeBatch(NamedTuple):
+    """A step of decode tokens only, for ``DecoderLayer.forward_decode``: each token's
+    cache slot, block-table row and position ([T] int64), and the block tables."""
+
+    slots: paddle.Tensor
+    block_tables: paddle.Tensor
+    rows: paddle.Tensor
+    positions: paddle.Tensor
+
 
 class LlamaForCausalLM(nn.Layer):
     """Llama-style decoder (inference only), with seeded random weights or given ones.
@@ -333,17 +374,22 @@ class LlamaForCausalLM(nn.Layer):
         self,
         input_ids: paddle.Tensor,
         positions: paddle.Tensor,
-        attend_for_layer: Callable[[int], AttendFn],
+        attend_for_layer: Callable[[int], AttendFn] | None,
+        decode: tuple[PagedKVCache, DecodeBatch] | None = None,
     ) -> paddle.Tensor:
         """Hidden states [T, hidden] of the tokens ``input_ids`` [T], before the final norm
-        (``_logits`` applies it, to the rows it needs)."""
+        (``_logits`` applies it, to the rows it needs). With ``decode`` (a cache and a step
+        of decode tokens only), each layer runs as ``DecoderLayer.forward_decode``."""
         if self._embedding is None:
             x = paddle.gather(self.embed, input_ids)
         else:
             x = cpu_linear.columns(self._embedding.packed, input_ids)
         rope = self._rope(positions)
         for index, layer in enumerate(self.layers):
-            x = layer(x, rope, attend_for_layer(index))
+            if decode is not None:
+                x = layer.forward_decode(x, rope, decode[0], index, decode[1])
+            else:
+                x = layer(x, rope, attend_for_layer(index))
         return x
 
     def _attention(
@@ -361,6 +407,26 @@ class LlamaForCausalLM(nn.Layer):
         )
         scores = scores + mask
         return paddle.matmul(nn.functional.softmax(scores, axis=-1), values.unsqueeze(2))
+
+    def _decode_attention(
+        self,
+        layer: int,
+        q: paddle.Tensor,
+        kv_cache: PagedKVCache,
+        key_rows: paddle.Tensor,
+        mask: paddle.Tensor,
+    ) -> paddle.Tensor:
+        """Decode tokens' attention over a gathered copy of their keys (a cache without
+        ``uses_cpu_ops``): ``q`` [Td, H, D], ``key_rows`` from ``head_major_rows``,
+        ``mask`` [Td, 1, 1, 1, K]. Returns [Td, H * D]."""
+        cfg = self.config
+        keys, values = kv_cache.gather_head_major(layer, key_rows)  # [Td, KVH, K, D]
+        # Each token is its own query batch of one, over its own key set; with one query
+        # per token, [Td, H, D] is [Td, KVH, G, 1, D] by a reshape.
+        groups = cfg.num_heads // cfg.num_kv_heads
+        q = q.reshape([-1, cfg.num_kv_heads, groups, 1, cfg.head_dim])
+        out = self._attention(q, keys, values, mask)
+        return out.reshape([out.shape[0], -1])
 
     def _additive_mask(self, visible: paddle.Tensor) -> paddle.Tensor:
         """0 where ``visible`` (bool), -inf elsewhere: added to the scores, made once per
@@ -463,6 +529,17 @@ class LlamaForCausalLM(nn.Layer):
         tokens (prompt logprobs), as a pair.
         """
         layout = PrefillLayout(positions.numpy(), token_rows.numpy())
+        tokens = positions.shape[0]
+        if (
+            layout.num_rows == 0
+            and layout.num_chunk_rows == 0
+            and kv_cache.uses_cpu_ops
+            and self.config.dtype == "float32"
+            and self.blocks.fuse_layers(tokens)
+        ):
+            batch = DecodeBatch(slot_mapping, block_tables, token_rows, positions)
+            hidden = self._run_layers(input_ids, positions, None, (kv_cache, batch))
+            return self._logits_of(hidden, last_token_index, extra_index)
         kept_slots = KeptSlots(slot_mapping)
         cfg = self.config
         groups = cfg.num_heads // cfg.num_kv_heads
@@ -491,6 +568,7 @@ class LlamaForCausalLM(nn.Layer):
                 decode_tokens = paddle.to_tensor(layout.decode_tokens.astype(np.int64))
                 decode_positions = paddle.gather(positions, decode_tokens)
                 decode_rows = paddle.gather(token_rows, decode_tokens)
+        if layout.decode_tokens.size and not kv_cache.uses_cpu_ops:
             key_positions = paddle.arange(max_context_len, dtype="int64").unsqueeze(0)
             key_slots = slots_through_table(
                 paddle.gather(block_tables, decode_rows),
@@ -527,13 +605,16 @@ class LlamaForCausalLM(nn.Layer):
                     out = out.transpose([0, 3, 1, 2, 4]).reshape([chunk_rows * chunk_width, -1])
                     outputs.append(paddle.gather(out, layout.chunk_unpad_index))
                 if layout.decode_tokens.size:
-                    keys, values = kv_cache.gather_head_major(layer, key_rows)  # [Td, KVH, K, D]
-                    # Each token is its own query batch of one, over its own key set; with
-                    # one query per token, [Td, H, D] is [Td, KVH, G, 1, D] by a reshape.
                     decode_q = paddle.gather(q, decode_tokens) if layout.is_mixed else q
-                    decode_q = decode_q.reshape([-1, cfg.num_kv_heads, groups, 1, cfg.head_dim])
-                    out = self._attention(decode_q, keys, values, decode_mask)
-                    outputs.append(out.reshape([out.shape[0], -1]))
+                    if kv_cache.uses_cpu_ops:
+                        outputs.append(kv_cache.decode_attention(
+                            layer, decode_q, block_tables, decode_rows, decode_positions,
+                            1.0 / math.sqrt(cfg.head_dim),
+                        ))  # fmt: skip
+                    else:
+                        outputs.append(self._decode_attention(
+                            layer, decode_q, kv_cache, key_rows, decode_mask
+                        ))  # fmt: skip
                 if layout.is_mixed:
                     return paddle.gather(paddle.concat(outputs), layout.restore_order)
                 return outputs[0]
@@ -541,6 +622,15 @@ class LlamaForCausalLM(nn.Layer):
             return attend
 
         hidden = self._run_layers(input_ids, positions, paged_attention_for)
+        return self._logits_of(hidden, last_token_index, extra_index)
+
+    def _logits_of(
+        self,
+        hidden: paddle.Tensor,
+        last_token_index: paddle.Tensor,
+        extra_index: paddle.Tensor | None,
+    ) -> paddle.Tensor | tuple[paddle.Tensor, paddle.Tensor]:
+        """``forward_paged``'s result from the hidden states of its tokens."""
         last_hidden = paddle.gather(hidden, paddle.clip(last_token_index, min=0))
         logits = self._logits(last_hidden)
         no_token = last_token_index < 0

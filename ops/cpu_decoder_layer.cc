@@ -1,0 +1,109 @@
+// cpu_decoder_layer: a whole decoder layer over decode tokens in one call, so
+// that a decode step pays one Python-to-C++ crossing per layer instead of a
+// few dozen eager ops. The products are CpuLinear's, the attention and the
+// cache write cpu_paged_attention's, the element-wise parts
+// ops/include/cpu_decoder_layer_kernel.h.
+#include <cmath>
+#include <string>
+
+#include "cpu_attention_ops.h"
+#include "cpu_decoder_layer_kernel.h"
+#include "cpu_decoder_layer_ops.h"
+#include "cpu_linear_ops.h"
+#include "cpu_runtime.h"
+#include "input_checks.h"
+
+namespace paddle_step {
+namespace {
+
+constexpr InputChecker kCheck("cpu_decoder_layer");
+
+void CheckFloatMatrix(const char* name, const paddle::Tensor& tensor,
+                      std::initializer_list<int64_t> shape) {
+  kCheck.Dtype(name, ViewOf(tensor), {paddle::DataType::FLOAT32});
+  kCheck.Shape(name, ViewOf(tensor), shape);
+  kCheck.DenseCpu(name, tensor);
+}
+
+paddle::Tensor Product(const paddle::Tensor& x, const PackedLinear& linear) {
+  return CpuLinear(x, linear.weights, linear.scales, linear.bias, linear.n,
+                   linear.group_size);
+}
+
+}  // namespace
+
+paddle::Tensor CpuDecoderLayer(const paddle::Tensor& x,
+                               const DecoderLayerWeights& weights,
+                               int64_t heads, int64_t kv_heads,
+                               int64_t head_dim, double eps,
+                               const paddle::Tensor& cos,
+                               const paddle::Tensor& sin,
+                               paddle::Tensor& key_cache,
+                               paddle::Tensor& value_cache, int64_t layer,
+                               const paddle::Tensor& slots,
+                               const paddle::Tensor& block_tables,
+                               const paddle::Tensor& rows,
+                               const paddle::Tensor& positions,
+                               int64_t block_size) {
+  CheckFloatMatrix("x", x, {-1, -1});
+  const int64_t tokens = x.dims()[0];
+  const int64_t hidden = x.dims()[1];
+  CheckFloatMatrix("attn_norm", weights.attn_norm, {hidden});
+  CheckFloatMatrix("mlp_norm", weights.mlp_norm, {hidden});
+  CheckFloatMatrix("cos", cos, {tokens, head_dim});
+  CheckFloatMatrix("sin", sin, {tokens, head_dim});
+  kCheck.Positive("head_dim", head_dim);
+  if (head_dim % 2 != 0) {
+    kCheck.Fail("head_dim", "an even number (rotary embedding)",
+                std::to_string(head_dim));
+  }
+  const int64_t qkv_width = (heads + 2 * kv_heads) * head_dim;
+  if (weights.qkv.n != qkv_width) {
+    kCheck.Fail("qkv", "a product of (heads + 2 kv_heads) * head_dim = " +
+                           std::to_string(qkv_width) + " columns",
+                std::to_string(weights.qkv.n));
+  }
+  if (weights.o.n != hidden || weights.down.n != hidden ||
+      weights.gate_up.n % 2 != 0) {
+    kCheck.Fail("o, gate_up, down",
+                "products of " + std::to_string(hidden) +
+                    ", an even number and " + std::to_string(hidden) +
+                    " columns",
+                std::to_string(weights.o.n) + ", " +
+                    std::to_string(weights.gate_up.n) + " and " +
+                    std::to_string(weights.down.n));
+  }
+  const cpu::Isa isa = CpuActiveIsa();
+  const float epsilon = static_cast<float>(eps);
+
+  auto normed = paddle::empty({tokens, hidden}, paddle::DataType::FLOAT32,
+                              paddle::CPUPlace());
+  cpu::RmsNorm(x.data<float>(), weights.attn_norm.data<float>(), tokens,
+               hidden, epsilon, normed.data<float>());
+  auto qkv = Product(normed, weights.qkv);
+  float* qkv_rows = qkv.data<float>();
+  cpu::RotateHalf(qkv_rows, tokens, qkv_width, heads + kv_heads, head_dim,
+                  cos.data<float>(), sin.data<float>());
+  WriteKvRows(key_cache, value_cache, layer, slots,
+              qkv_rows + heads * head_dim,
+              qkv_rows + (heads + kv_heads) * head_dim, tokens, qkv_width);
+  auto attention = DecodeAttentionRows(
+      qkv_rows, tokens, qkv_width, heads, key_cache, value_cache, layer,
+      block_tables, rows, positions, block_size, 1.0 / std::sqrt(head_dim));
+
+  auto residual = Product(attention, weights.o);  // x + o(attention)
+  cpu::AddInPlace(residual.data<float>(), x.data<float>(), tokens * hidden);
+  cpu::RmsNorm(residual.data<float>(), weights.mlp_norm.data<float>(), tokens,
+               hidden, epsilon, normed.data<float>());
+  auto gate_up = Product(normed, weights.gate_up);
+  const int64_t intermediate = weights.gate_up.n / 2;
+  auto activation = paddle::empty({tokens, intermediate},
+                                  paddle::DataType::FLOAT32, paddle::CPUPlace());
+  cpu::SiluTimesUp(isa, gate_up.data<float>(), tokens, intermediate,
+                   activation.data<float>());
+  auto out = Product(activation, weights.down);
+  cpu::AddInPlace(out.data<float>(), residual.data<float>(), tokens * hidden);
+  return out;
+}
+
+}  // namespace paddle_step

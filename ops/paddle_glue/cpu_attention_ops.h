@@ -1,0 +1,50 @@
+// Decode attention from the paged KV cache and the cache write on Paddle CPU
+// tensors (ops/cpu_paged_attention.cc), bound by the pybind11 fast path
+// (bindings.cc). The kernels are ops/include/cpu_paged_attention_kernel.h.
+#pragma once
+
+#include <cstdint>
+
+#include "paddle/extension.h"
+
+namespace paddle_step {
+
+// Writes k[i], v[i] ([N, kv_heads, head_dim]) at slot slots[i] ([N] int64; -1
+// writes nothing) of layer `layer` of key_cache / value_cache ([layers,
+// num_slots, kv_heads, head_dim], float32 or float64, the dtype of k and v),
+// in place.
+void CpuWriteKv(paddle::Tensor& key_cache, paddle::Tensor& value_cache,
+                int64_t layer, const paddle::Tensor& slots,
+                const paddle::Tensor& k, const paddle::Tensor& v);
+
+// Attention of decode tokens q [T, heads, head_dim] over their sequences' keys
+// in layer `layer` of the caches: token t reads block-table row rows[t] of
+// block_tables ([B, M] int32 or int64) at positions 0..positions[t] ([T]
+// int64). Returns [T, heads * head_dim] in q's dtype.
+paddle::Tensor CpuDecodeAttention(const paddle::Tensor& q,
+                                  const paddle::Tensor& key_cache,
+                                  const paddle::Tensor& value_cache,
+                                  int64_t layer,
+                                  const paddle::Tensor& block_tables,
+                                  const paddle::Tensor& rows,
+                                  const paddle::Tensor& positions,
+                                  int64_t block_size, double scale);
+
+// The two above on rows of a larger matrix (the fused q/k/v product of the
+// decode layer): `count` rows of k and v, and `tokens` queries of `heads`
+// heads, each `stride` / `q_stride` values apart, in the caches' dtype. The
+// caller checks the rows exist.
+void WriteKvRows(paddle::Tensor& key_cache, paddle::Tensor& value_cache,
+                 int64_t layer, const paddle::Tensor& slots, const void* k,
+                 const void* v, int64_t count, int64_t stride);
+paddle::Tensor DecodeAttentionRows(const void* q, int64_t tokens,
+                                   int64_t q_stride, int64_t heads,
+                                   const paddle::Tensor& key_cache,
+                                   const paddle::Tensor& value_cache,
+                                   int64_t layer,
+                                   const paddle::Tensor& block_tables,
+                                   const paddle::Tensor& rows,
+                                   const paddle::Tensor& positions,
+                                   int64_t block_size, double scale);
+
+}  // namespace paddle_step

@@ -1,0 +1,208 @@
+"""The CPU decode attention and KV-cache write (ops/cpu_paged_attention.cc) against a plain
+float64 NumPy reference that walks each token's block-table row."""
+
+import math
+
+import numpy as np
+import paddle
+import pytest
+
+import paddle_step_ops
+from paddle_step.layers import cpu_linear
+from paddle_step.layers.paged_attention import PagedKVCache
+
+ISA_PATHS = ("scalar", "avx2", "avx512")
+ISA_RANK = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}
+
+# (heads, kv_heads, head_dim, block_size): MHA and GQA groups, head dims off the vector
+# widths (8, 16) and on them, blocks of one slot and of several.
+SHAPES = (
+    (1, 1, 1, 1),
+    (4, 2, 7, 3),
+    (6, 3, 17, 4),
+    (14, 2, 64, 16),
+    (8, 8, 16, 2),
+    (3, 1, 80, 5),
+)
+
+
+@pytest.fixture(params=ISA_PATHS)
+def isa_path(request):
+    if ISA_RANK[request.param] > ISA_RANK[cpu_linear.best_isa()]:
+        pytest.skip(f"this CPU runs up to {cpu_linear.best_isa()}, not {request.param}")
+    cpu_linear.set_isa(request.param)
+    yield request.param
+    cpu_linear.set_isa("auto")
+
+
+def reference_attention(q, key, value, tables, rows, positions, block_size, scale):
+    """[T, H * D] float64: each token over the keys its table row holds at 0..position."""
+    tokens, heads, head_dim = q.shape
+    group = heads // key.shape[1]
+    out = np.zeros((tokens, heads, head_dim))
+    for t in range(tokens):
+        slots = []
+        for j in range(positions[t] + 1):
+            column = j // block_size
+            if column < tables.shape[1] and tables[rows[t], column] >= 0:
+                slots.append(tables[rows[t], column] * block_size + j % block_size)
+        for h in range(heads):
+            if not slots:
+                continue
+            keys = key[slots, h // group].astype(np.float64)
+            scores = keys @ q[t, h].astype(np.float64) * scale
+            weights = np.exp(scores - scores.max())
+            out[t, h] = weights / weights.sum() @ value[slots, h // group].astype(np.float64)
+    return out.reshape(tokens, heads * head_dim)
+
+
+def random_case(rng, shape, dtype, table_dtype):
+    """A cache of 2 layers with random contents, block tables with holes (-1) and columns
+    past the end, and decode tokens at positions inside, at and past their tables."""
+    heads, kv_heads, head_dim, block_size = shape
+    num_blocks, table_width, table_rows = 9, 4, 5
+    cache_shape = (2, num_blocks * block_size, kv_heads, head_dim)
+    key = rng.standard_normal(cache_shape).astype(dtype)
+    value = rng.standard_normal(cache_shape).astype(dtype)
+    tables = rng.integers(0, num_blocks, (table_rows, table_width))
+    tables[rng.random(tables.shape) < 0.25] = -1
+    tables[table_rows - 1] = -1  # a row whose tokens see no key
+    rows = np.array([0, 1, 2, 3, 4, 0, 2, 1], np.int64)
+    positions = rng.integers(0, table_width * block_size + 3, rows.size).astype(np.int64)
+    q = rng.standard_normal((rows.size, heads, head_dim)).astype(dtype)
+    return q, key, value, tables.astype(table_dtype), rows, positions
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("table_dtype", [np.int32, np.int64])
+def test_float32_matches_reference(isa_path, shape, table_dtype):
+    rng = np.random.default_rng(sum(shape))
+    q, key, value, tables, rows, positions = random_case(rng, shape, np.float32, table_dtype)
+    block_size, scale = shape[3], 1 / math.sqrt(shape[2])
+    for layer in (0, 1):
+        out = paddle_step_ops.cpu_decode_attention(
+            paddle.to_tensor(q), paddle.to_tensor(key), paddle.to_tensor(value), layer,
+            paddle.to_tensor(tables), paddle.to_tensor(rows), paddle.to_tensor(positions),
+            block_size, scale,
+        ).numpy()  # fmt: skip
+        expected = reference_attention(q, key[layer], value[layer], tables, rows, positions,
+                                       block_size, scale)  # fmt: skip
+        assert out.dtype == np.float32 and out.shape == expected.shape
+        np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
+    assert not np.any(out[rows == 4]), "a token that sees no key gets zeros"
+
+
+@pytest.mark.parametrize("shape", SHAPES[:4])
+def test_float64_matches_reference(shape):
+    rng = np.random.default_rng(7 + sum(shape))
+    q, key, value, tables, rows, positions = random_case(rng, shape, np.float64, np.int64)
+    block_size, scale = shape[3], 1 / math.sqrt(shape[2])
+    out = paddle_step_ops.cpu_decode_attention(
+        paddle.to_tensor(q), paddle.to_tensor(key), paddle.to_tensor(value), 1,
+        paddle.to_tensor(tables), paddle.to_tensor(rows), paddle.to_tensor(positions),
+        block_size, scale,
+    ).numpy()  # fmt: skip
+    expected = reference_attention(q, key[1], value[1], tables, rows, positions, block_size,
+                                   scale)  # fmt: skip
+    np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-13)
+
+
+def test_paths_and_thread_counts_agree_closely():
+    rng = np.random.default_rng(3)
+    shape = (14, 2, 64, 16)
+    args = [paddle.to_tensor(a) for a in random_case(rng, shape, np.float32, np.int32)]
+    q, key, value, tables, rows, positions = args
+    results = {}
+    threads = cpu_linear.num_threads()
+    try:
+        for isa in [p for p in ISA_PATHS if ISA_RANK[p] <= ISA_RANK[cpu_linear.best_isa()]]:
+            for count in (1, 3):
+                cpu_linear.set_isa(isa)
+                cpu_linear.set_num_threads(count)
+                results[isa, count] = paddle_step_ops.cpu_decode_attention(
+                    q, key, value, 0, tables, rows, positions, 16, 0.125
+                ).numpy()
+    finally:
+        cpu_linear.set_isa("auto")
+        cpu_linear.set_num_threads(threads)
+    scalar = results["scalar", 1]
+    for (isa, count), out in results.items():
+        # Paths differ only in the order of the sums inside a dot product.
+        np.testing.assert_allclose(out, scalar, rtol=1e-5, atol=1e-6, err_msg=isa)
+        # The thread count never changes a result: each task runs whole heads.
+        np.testing.assert_array_equal(out, results[isa, 1], err_msg=f"{isa}, {count} threads")
+
+
+def test_write_kv_writes_kept_slots_of_one_layer():
+    cache = PagedKVCache(num_blocks=3, block_size=4, num_layers=2, num_kv_heads=2, head_dim=5)
+    assert cache.uses_cpu_ops
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((4, 2, 5)).astype(np.float32)
+    v = rng.standard_normal((4, 2, 5)).astype(np.float32)
+    slots = np.array([11, -1, 0, 6], np.int64)
+    cache.write(1, paddle.to_tensor(slots), paddle.to_tensor(k), paddle.to_tensor(v))
+    key, value = cache.key.numpy(), cache.value.numpy()
+    expected_key, expected_value = np.zeros_like(key), np.zeros_like(value)
+    for i, slot in enumerate(slots):
+        if slot >= 0:
+            expected_key[1, slot], expected_value[1, slot] = k[i], v[i]
+    np.testing.assert_array_equal(key, expected_key)
+    np.testing.assert_array_equal(value, expected_value)
+
+
+def test_write_kv_takes_strided_views():
+    """k and v come out of a split of the fused q/k/v product: the cache gets their values."""
+    cache = PagedKVCache(num_blocks=2, block_size=2, num_layers=1, num_kv_heads=1, head_dim=3)
+    kv = paddle.arange(12, dtype="float32").reshape([2, 2, 3])
+    k, v = paddle.split(kv, 2, axis=1)
+    cache.write(0, paddle.to_tensor([3, 1]), k, v)
+    np.testing.assert_array_equal(cache.key.numpy()[0, [3, 1], 0], kv.numpy()[:, 0])
+    np.testing.assert_array_equal(cache.value.numpy()[0, [3, 1], 0], kv.numpy()[:, 1])
+
+
+def _args(**changes):
+    args = dict(
+        q=paddle.zeros([2, 4, 8]),
+        key_cache=paddle.zeros([2, 12, 2, 8]),
+        value_cache=paddle.zeros([2, 12, 2, 8]),
+        layer=1,
+        block_tables=paddle.to_tensor([[0, 2], [1, -1]], dtype="int32"),
+        rows=paddle.to_tensor([0, 1]),
+        positions=paddle.to_tensor([5, 1]),
+        block_size=4,
+        scale=1.0,
+    )
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"layer": 2}, "argument 'layer': expected a layer in [0, 2), got 2"),
+        ({"q": paddle.zeros([2, 3, 8])}, "argument 'q': expected a multiple of the cache's 2"),
+        ({"q": paddle.zeros([2, 4, 8], "float64")}, "argument 'q': expected dtype float32"),
+        ({"block_size": 5}, "argument 'block_size': expected a divisor of the cache's 12"),
+        ({"block_tables": paddle.to_tensor([[0, 3], [1, -1]], dtype="int32")},
+         "argument 'block_tables': expected block ids < 3"),
+        ({"rows": paddle.to_tensor([0, 2])}, "argument 'rows': expected entries in [0, 2)"),
+        ({"positions": paddle.to_tensor([5, -1])}, "argument 'positions': expected entries >= 0"),
+        ({"rows": paddle.to_tensor([0, 1], dtype="int32")},
+         "argument 'rows': expected dtype int64"),
+        ({"key_cache": paddle.zeros([2, 12, 2, 8]).transpose([0, 2, 1, 3])},
+         "argument 'key_cache'"),
+    ],
+)  # fmt: skip
+def test_decode_attention_names_a_bad_argument(changes, message):
+    with pytest.raises(ValueError) as error:
+        paddle_step_ops.cpu_decode_attention(**_args(**changes))
+    assert message in str(error.value)
+
+
+def test_write_kv_names_a_bad_slot():
+    cache = paddle.zeros([1, 4, 1, 2])
+    with pytest.raises(ValueError, match=r"argument 'slots': expected entries in \[-1, 4\), got 4"):
+        paddle_step_ops.cpu_write_kv(cache, paddle.zeros([1, 4, 1, 2]), 0,
+                                     paddle.to_tensor([4]), paddle.zeros([1, 1, 2]),
+                                     paddle.zeros([1, 1, 2]))  # fmt: skip
+    assert not cache.numpy().any()

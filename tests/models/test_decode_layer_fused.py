@@ -1,0 +1,100 @@
+"""A decode step whose layers run as one CPU call each (``DecoderLayer.forward_decode``,
+ops/cpu_decoder_layer.cc) against the same step through the eager blocks and the
+per-layer attention: the same logits and the same K/V written, up to float32 rounding,
+for every weight format and instruction-set path."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import paddle
+import pytest
+
+from paddle_step.config import ModelConfig
+from paddle_step.layers import cpu_linear
+from paddle_step.layers.dense_blocks import ModelBlocks, padded_rows
+from paddle_step.layers.paged_attention import PagedKVCache, build_flat_batch
+from paddle_step.models import llama
+from paddle_step.models.llama import LlamaForCausalLM
+from paddle_step.testing.paged_batches import scrambled_block_tables, slot_state
+
+ISA_RANK = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}
+
+CONFIGS = {
+    "llama-gqa": ModelConfig(seed=3),
+    # Qwen2-like biases, an odd group of query heads per KV head, a head_dim off the vector
+    # widths and an intermediate size off the panel width.
+    "biases-odd": ModelConfig(seed=5, hidden_size=60, num_heads=6, num_kv_heads=2,
+                              intermediate_size=100, qkv_bias=True, o_proj_bias=True),
+    "mha": ModelConfig(seed=9, hidden_size=48, num_heads=3, num_kv_heads=3,
+                       intermediate_size=72, tie_word_embeddings=True),
+}  # fmt: skip
+
+
+@pytest.fixture(params=["scalar", "avx2", "avx512"])
+def isa_path(request):
+    if ISA_RANK[request.param] > ISA_RANK[cpu_linear.best_isa()]:
+        pytest.skip(f"this CPU runs up to {cpu_linear.best_isa()}, not {request.param}")
+    cpu_linear.set_isa(request.param)
+    yield request.param
+    cpu_linear.set_isa("auto")
+
+
+def decode_step(model, fused: bool, monkeypatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Prefills three prompts, then runs one step of a decode token each (one row left
+    empty): that step's logits and the caches after it."""
+    calls = []
+    layer_op = llama.paddle_step_ops.cpu_decoder_layer
+    monkeypatch.setattr(ModelBlocks, "fuse_layers", lambda self, rows: fused)
+
+    def counted_layer_op(*args, **kwargs):
+        calls.append(1)
+        return layer_op(*args, **kwargs)
+
+    monkeypatch.setattr(llama.paddle_step_ops, "cpu_decoder_layer", counted_layer_op)
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+    prompts = [rng.integers(0, vocab, n).tolist() for n in (9, 17, 0, 4)]
+    block_size, width = 4, 24
+    tables = paddle.to_tensor(scrambled_block_tables(4, math.ceil(width / block_size)))
+    cache = PagedKVCache.for_config(model.config, num_blocks=tables.size, block_size=block_size)
+    batch = build_flat_batch(*slot_state(prompts, [0] * 4, width), tables, block_size)
+    model.forward_paged(**batch, kv_cache=cache)
+    calls.clear()  # the prefill never fuses
+    following = [[int(rng.integers(0, vocab))] if p else [] for p in prompts]
+    batch = build_flat_batch(
+        *slot_state(following, [len(p) for p in prompts], width), tables, block_size
+    )
+    logits = model.forward_paged(**batch, kv_cache=cache).numpy()
+    assert len(calls) == (model.config.num_layers if fused else 0)
+    return logits, cache.key.numpy(), cache.value.numpy()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("weight_format", [None, "bfloat16", "int8"])
+def test_fused_decode_step_matches_the_blocks(isa_path, name, weight_format, monkeypatch):
+    config = CONFIGS[name]
+    config = ModelConfig(**{**config.__dict__, "weight_format": weight_format})
+    model = LlamaForCausalLM(config)
+    logits, key, value = decode_step(model, True, monkeypatch)
+    expected_logits, expected_key, expected_value = decode_step(model, False, monkeypatch)
+    np.testing.assert_allclose(logits, expected_logits, rtol=1e-4, atol=1e-5)
+    assert not logits[2].any()  # the empty row
+    np.testing.assert_allclose(key, expected_key, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(value, expected_value, rtol=1e-5, atol=1e-6)
+
+
+def test_layers_fuse_only_where_both_blocks_run_the_op():
+    blocks = LlamaForCausalLM(ModelConfig(seed=1)).blocks
+    for block in (blocks.attention_inputs, blocks.output_and_mlp):
+        if "op" not in block.methods:
+            pytest.skip("this build has no CPU op")
+        block.choice.clear()
+    assert not blocks.fuse_layers(3)  # not measured yet
+    rows_class = padded_rows(3)
+    blocks.attention_inputs.choice[rows_class] = "op"
+    blocks.output_and_mlp.choice[rows_class] = "eager"
+    assert not blocks.fuse_layers(3)
+    blocks.output_and_mlp.choice[rows_class] = "op"
+    assert blocks.fuse_layers(3)
