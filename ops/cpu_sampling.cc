@@ -77,7 +77,8 @@ void Requires(const char* name, const Optional& tensor, const char* needed_by) {
 std::vector<paddle::Tensor> CpuSample(
     const paddle::Tensor& logits, const paddle::Tensor& temperature,
     const paddle::Tensor& top_p, const Optional& top_k, const Optional& min_p,
-    const Optional& uniforms, const Optional& allowed, const Optional& stop_ids,
+    const Optional& uniforms, const Optional& allowed_bits,
+    const Optional& stop_ids,
     const Optional& min_tokens, const Optional& step_idx,
     const Optional& output_ids, const Optional& bias_ids,
     const Optional& bias_values, const Optional& presence_penalty,
@@ -104,12 +105,13 @@ std::vector<paddle::Tensor> CpuSample(
   b.top_k = Vector<int64_t>("top_k", top_k, DataType::INT64, rows);
   b.min_p = Vector<float>("min_p", min_p, DataType::FLOAT32, rows);
   b.uniforms = Vector<double>("uniforms", uniforms, DataType::FLOAT64, rows);
-  if (allowed) {
-    const TensorView view = ViewOf(*allowed);
-    kCheck.Dtype("allowed", view, {DataType::BOOL});
-    kCheck.Shape("allowed", view, {rows, b.vocab});
-    kCheck.DenseCpu("allowed", *allowed);
-    b.allowed = allowed->data<bool>();
+  if (allowed_bits) {
+    const TensorView view = ViewOf(*allowed_bits);
+    kCheck.Dtype("allowed_bits", view, {DataType::INT32});
+    kCheck.Shape("allowed_bits", view, {rows, (b.vocab + 31) / 32});
+    kCheck.DenseCpu("allowed_bits", *allowed_bits);
+    b.allowed_bits =
+        reinterpret_cast<const uint32_t*>(allowed_bits->data<int32_t>());
   }
   if (stop_ids) {
     Requires("min_tokens", min_tokens, "stop_ids");

@@ -52,7 +52,9 @@ struct SamplingBatch {
   const int64_t* top_k = nullptr;      // [rows]; 0: all
   const float* min_p = nullptr;        // [rows]; 0: all
   const double* uniforms = nullptr;    // [rows] in [0, 1); null: all greedy
-  const bool* allowed = nullptr;       // [rows, vocab]
+  // The allowed tokens, packed: [rows, ceil(vocab / 32)] words, bit j of
+  // word w allows token 32 w + j (llguidance's bitmask layout).
+  const uint32_t* allowed_bits = nullptr;
   // Stop ids [rows, stop_width], masked while step_idx < min_tokens.
   const int64_t* stop_ids = nullptr;
   int64_t stop_width = 0;
@@ -204,9 +206,11 @@ struct RowScratch {
 PADDLE_STEP_ROW_INLINE void ApplyControls(const SamplingBatch& b, int64_t row,
                                           float* x, RowScratch& scratch) {
   const int64_t vocab = b.vocab;
-  if (b.allowed != nullptr) {
-    const bool* allowed = b.allowed + row * vocab;
-    for (int64_t i = 0; i < vocab; ++i) x[i] = allowed[i] ? x[i] : kNegInf;
+  if (b.allowed_bits != nullptr) {
+    const uint32_t* words = b.allowed_bits + row * ((vocab + 31) / 32);
+    for (int64_t i = 0; i < vocab; ++i) {
+      x[i] = (words[i >> 5] >> (i & 31)) & 1u ? x[i] : kNegInf;
+    }
   }
   if (b.stop_ids != nullptr && b.step_idx[row] < b.min_tokens[row]) {
     const int64_t* ids = b.stop_ids + row * b.stop_width;

@@ -15,7 +15,8 @@ namespace paddle_step {
 // one left none is off for the whole batch:
 //   temperature, top_p float32 [B]; top_k int64 [B]; min_p float32 [B];
 //   uniforms float64 [B] (none: every row greedy);
-//   allowed bool [B, V];
+//   allowed_bits int32 [B, ceil(V / 32)], bit j of word w allowing token
+//     32 w + j;
 //   stop_ids int64 [B, S] masked while step_idx < min_tokens (int64 [B]);
 //   output_ids int64 [B, L]: row r's generated tokens are columns
 //     1 .. step_idx[r] (int64 [B]), for the penalties;
@@ -31,7 +32,7 @@ std::vector<paddle::Tensor> CpuSample(
     const paddle::Tensor& top_p, const paddle::optional<paddle::Tensor>& top_k,
     const paddle::optional<paddle::Tensor>& min_p,
     const paddle::optional<paddle::Tensor>& uniforms,
-    const paddle::optional<paddle::Tensor>& allowed,
+    const paddle::optional<paddle::Tensor>& allowed_bits,
     const paddle::optional<paddle::Tensor>& stop_ids,
     const paddle::optional<paddle::Tensor>& min_tokens,
     const paddle::optional<paddle::Tensor>& step_idx,

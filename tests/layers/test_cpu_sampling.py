@@ -17,6 +17,7 @@ from paddle_step.layers.sampler import (
     sample_tokens,
     token_logprobs,
 )
+from paddle_step.sampling_params import pack_token_mask, unpack_token_mask
 from paddle_step.testing.cpu_paths import ISA_PATHS, on_isa, runs_here
 
 VOCABS = (1, 7, 1000, 2053)
@@ -77,7 +78,7 @@ class Batch:
         uses, t = self.uses, paddle.to_tensor
         controls = {}
         if "allowed" in uses:
-            controls["allowed"] = t(self.allowed)
+            controls["allowed_bits"] = t(pack_token_mask(self.allowed))
         if "stop" in uses:
             controls.update(stop_ids=t(padded(self.stop, 3)), min_tokens=t(self.min_tokens))
         if "bias" in uses:
@@ -319,8 +320,25 @@ def test_bad_arguments_name_the_argument_the_expected_and_the_received():
     with pytest.raises(ValueError, match=r"'step_idx': expected a tensor \(output_ids is given"):
         cpu_sampling.sample(logits, temperature, top_p, None,
                             output_ids=ids, repetition_penalty=temperature)  # fmt: skip
-    with pytest.raises(ValueError, match=r"'allowed': expected shape \[3, 7\], got shape \[3, 6\]"):
-        cpu_sampling.sample(logits, temperature, top_p, None, allowed=t(np.ones((3, 6), bool)))
+    with pytest.raises(
+        ValueError, match=r"'allowed_bits': expected shape \[3, 1\], got shape \[3, 2\]"
+    ):
+        cpu_sampling.sample(
+            logits, temperature, top_p, None, allowed_bits=t(np.ones((3, 2), np.int32))
+        )
+
+
+@pytest.mark.parametrize("vocab", (1, 31, 32, 33, 1000, 2053))
+def test_token_masks_pack_as_llguidance_lays_them_out(vocab):
+    """Bit j of int32 word w is token 32 w + j; the bits past the vocabulary are 0."""
+    mask = np.random.default_rng(vocab).uniform(0, 1, (3, vocab)) < 0.5
+    words = pack_token_mask(mask)
+    assert words.dtype == np.int32 and words.shape == (3, (vocab + 31) // 32)
+    for token in range(vocab):
+        bit = (int(words[1, token // 32]) >> (token % 32)) & 1
+        assert bit == mask[1, token]
+    assert not unpack_token_mask(words, 32 * words.shape[1])[:, vocab:].any()
+    np.testing.assert_array_equal(unpack_token_mask(words, vocab), mask)
 
 
 def test_supports_only_float32_on_the_cpu():

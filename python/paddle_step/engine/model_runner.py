@@ -22,6 +22,7 @@ from ..layers.sampler import (
 )
 from ..models.llama import LlamaForCausalLM
 from ..ops import advance_step, step_paddle
+from ..sampling_params import unpack_token_mask
 from .outputs import StepOutcome
 from .request import MAX_LOGIT_BIAS, MAX_STOP_IDS, Request
 from .scheduler import PrefillChunk, SamplingPlan
@@ -204,8 +205,8 @@ class ModelRunner:
         they are (pre_ids up to step_idx, the prompt up to its first pad)."""
         state = self.state
         controls = {}
-        if plan.allowed is not None:
-            controls["allowed"] = paddle.to_tensor(plan.allowed, place=state.place)
+        if plan.allowed_bits is not None:
+            controls["allowed_bits"] = paddle.to_tensor(plan.allowed_bits, place=state.place)
         if plan.min_tokens:
             controls.update(stop_ids=state.eos_token_ids, min_tokens=state.min_tokens)
         if plan.bias_width:
@@ -233,8 +234,10 @@ class ModelRunner:
         penalties from ``pre_ids`` too)."""
         state = self.state
         controls = SamplingControls()
-        if plan.allowed is not None:
-            controls.allowed = paddle.to_tensor(plan.allowed, place=state.place)
+        if plan.allowed_bits is not None:
+            vocab = self.model.config.vocab_size
+            allowed = unpack_token_mask(plan.allowed_bits, vocab)
+            controls.allowed = paddle.to_tensor(allowed, place=state.place)
         if plan.min_tokens:
             under = (
                 (state.step_idx < state.min_tokens).unsqueeze(1).expand(state.eos_token_ids.shape)

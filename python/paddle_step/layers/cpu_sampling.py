@@ -29,7 +29,7 @@ def sample(
     *,
     top_k: paddle.Tensor | None = None,
     min_p: paddle.Tensor | None = None,
-    allowed: paddle.Tensor | None = None,
+    allowed_bits: paddle.Tensor | None = None,
     stop_ids: paddle.Tensor | None = None,
     min_tokens: paddle.Tensor | None = None,
     step_idx: paddle.Tensor | None = None,
@@ -47,7 +47,8 @@ def sample(
 
     ``temperature``, ``top_p``, ``min_p``, the penalties float32 [R]; ``top_k``,
     ``min_tokens``, ``step_idx`` int64 [R]; ``uniforms`` float64 [R] (None: every row
-    greedy); ``allowed`` bool [R, V]. The id tables are the slot state's, -1 pads:
+    greedy); ``allowed_bits`` int32 [R, ceil(V / 32)], the allowed tokens packed as
+    ``sampling_params.pack_token_mask`` packs them. The id tables are the slot state's, -1 pads:
     ``stop_ids`` [R, S] (masked while ``step_idx < min_tokens``), ``output_ids`` [R, L]
     whose columns 1..``step_idx`` are the generated tokens (column 0 is scratch),
     ``prompt_ids`` [R, P] (``repetition_penalty`` only; a row's prompt ends at its first
@@ -55,7 +56,7 @@ def sample(
     [R, K]. A control left None is off for every row."""
     top = -1 if logprobs_top is None else logprobs_top
     outputs = _library.cpu_sample(
-        logits, temperature, top_p, top_k, min_p, uniforms, allowed, stop_ids, min_tokens,
+        logits, temperature, top_p, top_k, min_p, uniforms, allowed_bits, stop_ids, min_tokens,
         step_idx, output_ids, bias_ids, bias_values, presence_penalty, frequency_penalty,
         repetition_penalty, prompt_ids, top,
     )  # fmt: skip
