@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from ..config import EngineConfig
-from ..sampling_params import TokenConstraint, pack_token_mask, token_mask_words
+from ..sampling_params import pack_token_mask, token_mask_words
 from .block_allocator import EncoderBlockAllocator
 from .outputs import (
     FINISH_ABORT,
@@ -337,14 +337,28 @@ class Scheduler:
         if (tops >= 0).any():
             plan.logprobs_top = int(tops.max())
         if used[CONSTRAINT]:
-            plan.allowed_bits = np.full(
-                (self.config.max_batch, token_mask_words(vocab_size)), -1, dtype=np.int32
-            )
-            for slot in np.flatnonzero(running & self.slot_controls[:, CONSTRAINT]).tolist():
-                words = _allowed_bits(self.slot_requests[slot].params.constraint, vocab_size)
-                if words is not None:
-                    plan.allowed_bits[slot] = words
+            plan.allowed_bits = self._allowed_bits(running, vocab_size)
         return plan
+
+    def _allowed_bits(self, running: np.ndarray, vocab_size: int) -> np.ndarray:
+        """The running constrained slots' next allowed tokens, packed ([B, words], all
+        bits set in the other rows): a constraint's own bitmask when it has one; the bool
+        masks of the others, packed together."""
+        bits = np.full((self.config.max_batch, token_mask_words(vocab_size)), -1, np.int32)
+        masked, masks = [], []
+        for slot in np.flatnonzero(running & self.slot_controls[:, CONSTRAINT]).tolist():
+            constraint = self.slot_requests[slot].params.constraint
+            bitmask = getattr(constraint, "allowed_bitmask", None)
+            if bitmask is not None:
+                words = bitmask(vocab_size)
+                if words is not None:
+                    bits[slot] = words
+            elif (mask := constraint.allowed_tokens(vocab_size)) is not None:
+                masked.append(slot)
+                masks.append(mask)
+        if masked:
+            bits[masked] = pack_token_mask(np.stack(masks))
+        return bits
 
     def slot_of(self, request_id: int) -> int | None:
         """The slot holding ``request_id``, or None."""
@@ -587,15 +601,6 @@ class Scheduler:
                 )
         problems.extend(allocator.problems())
         return problems
-
-
-def _allowed_bits(constraint: TokenConstraint, vocab_size: int) -> np.ndarray | None:
-    """A constraint's next allowed tokens, packed (its own bitmask when it has one)."""
-    bitmask = getattr(constraint, "allowed_bitmask", None)
-    if bitmask is not None:
-        return bitmask(vocab_size)
-    mask = constraint.allowed_tokens(vocab_size)
-    return None if mask is None else pack_token_mask(mask)
 
 
 def _result(request: Request, samples: list[SampleOutput]) -> GenerationResult:
