@@ -171,6 +171,7 @@ struct RowScratch {
   std::vector<float> logits;    // the controlled logits
   std::vector<float> weights;   // e, then raw exp for logprobs
   std::vector<float> gathered;  // the weights a cut looks at
+  std::vector<int64_t> ids;     // the tokens of the weights under a min_p floor
   std::vector<uint32_t> stamp;  // penalties: ids seen in this row's epoch
   std::vector<int32_t> counts;  // penalties: generated count per id
   std::vector<int64_t> touched;  // penalties: the ids seen, in first-seen order
@@ -184,6 +185,7 @@ struct RowScratch {
     logits.assign(vocab, 0.0f);
     weights.assign(vocab, 0.0f);
     gathered.assign(vocab, 0.0f);
+    ids.assign(vocab, 0);
     stamp.assign(vocab, 0);
     counts.assign(vocab, 0);
     bucket_counts.assign(kBuckets, 0);
@@ -410,26 +412,47 @@ PADDLE_STEP_ROW_INLINE int64_t Draw(const SamplingBatch& b, int64_t row,
   // Division by a positive scale keeps the order: max(x / t) = max(x) / t.
   const float top = Max(x, vocab) / scale;
   if (!(top > kNegInf)) return ArgMax(x, vocab);  // nothing may be drawn
-  for (int64_t i = 0; i < vocab; ++i) e[i] = x[i] / scale - top;
-  ExpNonPositive(e, e, vocab);
-
   float floor = b.min_p != nullptr ? b.min_p[row] : 0.0f;
+  // The weights looked at: every token's, or under a min_p floor only those
+  // of the tokens whose logit can reach it (e >= min_p needs
+  // x / t - top >= ln(min_p); the slack is far wider than the exp's
+  // rounding), with their ids, in id order.
+  const int64_t* ids = nullptr;
+  int64_t count = vocab;
+  if (floor > 0.0f) {
+    const float bound = std::log(floor) - 1e-3f;
+    int64_t* candidates = scratch.ids.data();
+    count = 0;
+    for (int64_t i = 0; i < vocab; ++i) {
+      const float y = x[i] / scale - top;
+      if (y >= bound) {
+        e[count] = y;
+        candidates[count++] = i;
+      }
+    }
+    ids = candidates;
+  } else {
+    for (int64_t i = 0; i < vocab; ++i) e[i] = x[i] / scale - top;
+  }
+  ExpNonPositive(e, e, count);
+
   const int64_t top_k = b.top_k != nullptr ? b.top_k[row] : 0;
-  if (top_k > 0 && top_k < vocab) {
-    floor = TopKFloor(e, vocab, floor, top_k, scratch);
+  if (top_k > 0 && top_k < count) {
+    floor = TopKFloor(e, count, floor, top_k, scratch);
   }
   if (b.top_p[row] < 1.0f) {
     const double need =
-        static_cast<double>(b.top_p[row]) * SumAtLeast(e, vocab, floor);
-    floor = NucleusFloor(e, vocab, floor, need, scratch);
+        static_cast<double>(b.top_p[row]) * SumAtLeast(e, count, floor);
+    floor = NucleusFloor(e, count, floor, need, scratch);
   }
-  for (int64_t i = 0; i < vocab; ++i) e[i] = e[i] >= floor ? e[i] : 0.0f;
-  const float total = static_cast<float>(Sum(e, vocab));
+  for (int64_t i = 0; i < count; ++i) e[i] = e[i] >= floor ? e[i] : 0.0f;
+  const float total = static_cast<float>(Sum(e, count));
   const float target = static_cast<float>(b.uniforms[row]) * total;
   // A uniform within float rounding of 1 draws the last kept token.
-  const int64_t token = target < total ? InvertCdf(e, vocab, target)
-                                       : LastPositive(e, vocab);
-  return token < 0 ? ArgMax(x, vocab) : token;
+  const int64_t drawn = target < total ? InvertCdf(e, count, target)
+                                       : LastPositive(e, count);
+  if (drawn < 0) return ArgMax(x, vocab);
+  return ids != nullptr ? ids[drawn] : drawn;
 }
 
 // Logprobs of row `row`'s raw logits: the chosen token's and the top ones.
