@@ -419,20 +419,18 @@ PADDLE_STEP_ROW_INLINE int64_t Draw(const SamplingBatch& b, int64_t row,
   // rounding), with their ids, in id order.
   const int64_t* ids = nullptr;
   int64_t count = vocab;
+  for (int64_t i = 0; i < vocab; ++i) e[i] = x[i] / scale - top;
   if (floor > 0.0f) {
     const float bound = std::log(floor) - 1e-3f;
     int64_t* candidates = scratch.ids.data();
     count = 0;
     for (int64_t i = 0; i < vocab; ++i) {
-      const float y = x[i] / scale - top;
-      if (y >= bound) {
-        e[count] = y;
+      if (e[i] >= bound) {
+        e[count] = e[i];
         candidates[count++] = i;
       }
     }
     ids = candidates;
-  } else {
-    for (int64_t i = 0; i < vocab; ++i) e[i] = x[i] / scale - top;
   }
   ExpNonPositive(e, e, count);
 
@@ -473,10 +471,20 @@ PADDLE_STEP_ROW_INLINE void Logprobs(const SamplingBatch& b, int64_t row,
   // strictly larger, so ties keep the lowest ids first.
   int64_t* ids = b.top_ids + row * width;
   float* values = b.top_values + row * width;
+  // `bar`: what a logit must beat to enter (kept in a register, not read back
+  // from `values`, which the compiler must assume the stores may change).
+  // Blocks whose largest logit does not beat it are skipped whole.
+  constexpr int64_t kBlock = 64;
   int64_t filled = 0;
+  float bar = kNegInf;
   for (int64_t i = 0; i < vocab; ++i) {
+    if (filled == width && i % kBlock == 0 && vocab - i >= kBlock &&
+        !(Max(raw + i, kBlock) > bar)) {
+      i += kBlock - 1;
+      continue;
+    }
     const float value = raw[i];
-    if (filled == width && !(value > values[width - 1])) continue;
+    if (filled == width && !(value > bar)) continue;
     int64_t at = filled < width ? filled++ : width - 1;  // width <= vocab
     while (at > 0 && value > values[at - 1]) {
       values[at] = values[at - 1];
@@ -485,6 +493,7 @@ PADDLE_STEP_ROW_INLINE void Logprobs(const SamplingBatch& b, int64_t row,
     }
     values[at] = value;
     ids[at] = i;
+    if (filled == width) bar = values[width - 1];
   }
   for (int64_t k = 0; k < width; ++k) values[k] = logprob(ids[k]);
 }
