@@ -3,6 +3,7 @@
 // few dozen eager ops. The products are CpuLinear's, the attention and the
 // cache write cpu_paged_attention's, the element-wise parts
 // ops/include/cpu_decoder_layer_kernel.h.
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -28,6 +29,24 @@ void CheckFloatMatrix(const char* name, const paddle::Tensor& tensor,
 paddle::Tensor Product(const paddle::Tensor& x, const PackedLinear& linear) {
   return CpuLinear(x, linear.weights, linear.scales, linear.bias, linear.n,
                    linear.group_size);
+}
+
+// Heads [first, first + count) of each row of the q/k/v product [T, width],
+// as a tensor [T, count, head_dim] of their own (what the attention entry
+// points take; a few KB per layer).
+paddle::Tensor Columns(const paddle::Tensor& qkv, int64_t first, int64_t count,
+                       int64_t head_dim) {
+  const int64_t tokens = qkv.dims()[0];
+  const int64_t width = qkv.dims()[1];
+  auto out = paddle::empty({tokens, count, head_dim}, paddle::DataType::FLOAT32,
+                           paddle::CPUPlace());
+  const float* in = qkv.data<float>() + first * head_dim;
+  float* to = out.data<float>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::copy(in + t * width, in + t * width + count * head_dim,
+              to + t * count * head_dim);
+  }
+  return out;
 }
 
 }  // namespace
@@ -84,12 +103,13 @@ paddle::Tensor CpuDecoderLayer(const paddle::Tensor& x,
   float* qkv_rows = qkv.data<float>();
   cpu::RotateHalf(qkv_rows, tokens, qkv_width, heads + kv_heads, head_dim,
                   cos.data<float>(), sin.data<float>());
-  WriteKvRows(key_cache, value_cache, layer, slots,
-              qkv_rows + heads * head_dim,
-              qkv_rows + (heads + kv_heads) * head_dim, tokens, qkv_width);
-  auto attention = DecodeAttentionRows(
-      qkv_rows, tokens, qkv_width, heads, key_cache, value_cache, layer,
-      block_tables, rows, positions, block_size, 1.0 / std::sqrt(head_dim));
+  const auto q = Columns(qkv, 0, heads, head_dim);
+  CpuWriteKv(key_cache, value_cache, layer, slots,
+             Columns(qkv, heads, kv_heads, head_dim),
+             Columns(qkv, heads + kv_heads, kv_heads, head_dim));
+  auto attention =
+      CpuDecodeAttention(q, key_cache, value_cache, layer, block_tables, rows,
+                         positions, block_size, 1.0 / std::sqrt(head_dim));
 
   auto residual = Product(attention, weights.o);  // x + o(attention)
   cpu::AddInPlace(residual.data<float>(), x.data<float>(), tokens * hidden);

@@ -112,10 +112,16 @@ void CheckTableBlocks(const Table* tables, int64_t width, const int64_t* rows,
 
 }  // namespace
 
-void WriteKvRows(paddle::Tensor& key_cache, paddle::Tensor& value_cache,
-                 int64_t layer, const paddle::Tensor& slots, const void* k,
-                 const void* v, int64_t count, int64_t stride) {
+void CpuWriteKv(paddle::Tensor& key_cache, paddle::Tensor& value_cache,
+                int64_t layer, const paddle::Tensor& slots,
+                const paddle::Tensor& k, const paddle::Tensor& v) {
   const CacheShape shape = CheckCaches(key_cache, value_cache, layer);
+  const int64_t count = ViewOf(k).rank == 3 ? ViewOf(k).dims[0] : -1;
+  for (const auto& [name, tensor] : {std::pair{"k", &k}, std::pair{"v", &v}}) {
+    kCheck.Dtype(name, ViewOf(*tensor), {key_cache.dtype()});
+    kCheck.Shape(name, ViewOf(*tensor), {count, shape.kv_heads, shape.head_dim});
+    kCheck.DenseCpu(name, *tensor);
+  }
   CheckIndexVector("slots", slots, count);
   const int64_t* slot = slots.data<int64_t>();
   for (int64_t i = 0; i < count; ++i) {
@@ -128,28 +134,14 @@ void WriteKvRows(paddle::Tensor& key_cache, paddle::Tensor& value_cache,
   const int64_t row = shape.kv_heads * shape.head_dim;
   const int64_t offset = layer * shape.num_slots * row;
   if (key_cache.dtype() == paddle::DataType::FLOAT32) {
-    cpu::WriteKv(static_cast<const float*>(k), static_cast<const float*>(v),
-                 stride, slot, count, row, key_cache.data<float>() + offset,
+    cpu::WriteKv(k.data<float>(), v.data<float>(), slot, count, row,
+                 key_cache.data<float>() + offset,
                  value_cache.data<float>() + offset);
   } else {
-    cpu::WriteKv(static_cast<const double*>(k), static_cast<const double*>(v),
-                 stride, slot, count, row, key_cache.data<double>() + offset,
+    cpu::WriteKv(k.data<double>(), v.data<double>(), slot, count, row,
+                 key_cache.data<double>() + offset,
                  value_cache.data<double>() + offset);
   }
-}
-
-void CpuWriteKv(paddle::Tensor& key_cache, paddle::Tensor& value_cache,
-                int64_t layer, const paddle::Tensor& slots,
-                const paddle::Tensor& k, const paddle::Tensor& v) {
-  const CacheShape shape = CheckCaches(key_cache, value_cache, layer);
-  const int64_t count = ViewOf(k).rank == 3 ? ViewOf(k).dims[0] : -1;
-  for (const auto& [name, tensor] : {std::pair{"k", &k}, std::pair{"v", &v}}) {
-    kCheck.Dtype(name, ViewOf(*tensor), {key_cache.dtype()});
-    kCheck.Shape(name, ViewOf(*tensor), {count, shape.kv_heads, shape.head_dim});
-    kCheck.DenseCpu(name, *tensor);
-  }
-  WriteKvRows(key_cache, value_cache, layer, slots, k.data(), v.data(), count,
-              shape.kv_heads * shape.head_dim);
 }
 
 paddle::Tensor CpuDecodeAttention(const paddle::Tensor& q,
@@ -165,22 +157,8 @@ paddle::Tensor CpuDecodeAttention(const paddle::Tensor& q,
   kCheck.Dtype("q", q_view, {key_cache.dtype()});
   kCheck.Shape("q", q_view, {-1, -1, shape.head_dim});
   kCheck.DenseCpu("q", q);
+  const int64_t tokens = q_view.dims[0];
   const int64_t heads = q_view.dims[1];
-  return DecodeAttentionRows(q.data(), q_view.dims[0], heads * shape.head_dim,
-                             heads, key_cache, value_cache, layer, block_tables,
-                             rows, positions, block_size, scale);
-}
-
-paddle::Tensor DecodeAttentionRows(const void* q, int64_t tokens,
-                                   int64_t q_stride, int64_t heads,
-                                   const paddle::Tensor& key_cache,
-                                   const paddle::Tensor& value_cache,
-                                   int64_t layer,
-                                   const paddle::Tensor& block_tables,
-                                   const paddle::Tensor& rows,
-                                   const paddle::Tensor& positions,
-                                   int64_t block_size, double scale) {
-  const CacheShape shape = CheckCaches(key_cache, value_cache, layer);
   if (heads < shape.kv_heads || heads % shape.kv_heads != 0) {
     kCheck.Fail("q", "a multiple of the cache's " +
                          std::to_string(shape.kv_heads) + " KV heads",
@@ -217,7 +195,7 @@ paddle::Tensor DecodeAttentionRows(const void* q, int64_t tokens,
     CheckTableBlocks(tables, width, rows.data<int64_t>(), tokens, table_rows,
                      num_blocks);
     cpu::DecodeAttentionProblem<T, Table> problem;
-    problem.q = static_cast<const T*>(q);
+    problem.q = q.data<T>();
     problem.key = key_cache.data<T>();
     problem.value = value_cache.data<T>();
     problem.tables = tables;
@@ -228,7 +206,6 @@ paddle::Tensor DecodeAttentionRows(const void* q, int64_t tokens,
     problem.head_dim = shape.head_dim;
     problem.table_width = width;
     problem.block_size = block_size;
-    problem.q_stride = q_stride;
     problem.scale = static_cast<T>(scale);
     return AttendTyped(problem, shape, layer, tokens, key_cache.dtype());
   };

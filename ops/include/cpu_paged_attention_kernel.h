@@ -32,22 +32,22 @@
 
 namespace paddle_step::cpu {
 
-// Writes k[i], v[i] (rows of `row` = kv_heads * head_dim values, `stride`
-// apart) at slots[i] of one layer's caches ([num_slots, row]); slot -1 writes
-// nothing. The caller checks every slot is < num_slots.
+// Writes k[i], v[i] ([count, row] each, row = kv_heads * head_dim) at
+// slots[i] of one layer's caches ([num_slots, row]); slot -1 writes nothing.
+// The caller checks every slot is < num_slots.
 template <typename T>
-void WriteKv(const T* k, const T* v, int64_t stride, const int64_t* slots,
-             int64_t count, int64_t row, T* key_cache, T* value_cache) {
+void WriteKv(const T* k, const T* v, const int64_t* slots, int64_t count,
+             int64_t row, T* key_cache, T* value_cache) {
   for (int64_t i = 0; i < count; ++i) {
     if (slots[i] < 0) continue;
-    std::memcpy(key_cache + slots[i] * row, k + i * stride, row * sizeof(T));
-    std::memcpy(value_cache + slots[i] * row, v + i * stride, row * sizeof(T));
+    std::memcpy(key_cache + slots[i] * row, k + i * row, row * sizeof(T));
+    std::memcpy(value_cache + slots[i] * row, v + i * row, row * sizeof(T));
   }
 }
 
 template <typename T, typename Table>
 struct DecodeAttentionProblem {
-  const T* q;            // [tokens, heads, head_dim], tokens q_stride apart
+  const T* q;            // [tokens, heads, head_dim]
   const T* key;          // one layer: [num_slots, kv_heads, head_dim]
   const T* value;        // likewise
   const Table* tables;   // [rows, table_width] block ids, -1 unused
@@ -59,7 +59,6 @@ struct DecodeAttentionProblem {
   int64_t head_dim = 0;
   int64_t table_width = 0;
   int64_t block_size = 0;
-  int64_t q_stride = 0;
   T scale = 1;
 };
 
@@ -395,7 +394,7 @@ void AttendGroup(Isa isa, const DecodeAttentionProblem<T, Table>& p, int64_t t,
   const int64_t group = p.heads / p.kv_heads;
   const int64_t count = static_cast<int64_t>(slots.size());
   const int64_t stride = p.kv_heads * p.head_dim;
-  const T* q = p.q + t * p.q_stride + g * group * p.head_dim;
+  const T* q = p.q + (t * p.heads + g * group) * p.head_dim;
   const T* key = p.key + g * p.head_dim;
   const T* value = p.value + g * p.head_dim;
   T* out = p.out + (t * p.heads + g * group) * p.head_dim;

@@ -30,21 +30,4 @@ paddle::Tensor CpuDecodeAttention(const paddle::Tensor& q,
                                   const paddle::Tensor& positions,
                                   int64_t block_size, double scale);
 
-// The two above on rows of a larger matrix (the fused q/k/v product of the
-// decode layer): `count` rows of k and v, and `tokens` queries of `heads`
-// heads, each `stride` / `q_stride` values apart, in the caches' dtype. The
-// caller checks the rows exist.
-void WriteKvRows(paddle::Tensor& key_cache, paddle::Tensor& value_cache,
-                 int64_t layer, const paddle::Tensor& slots, const void* k,
-                 const void* v, int64_t count, int64_t stride);
-paddle::Tensor DecodeAttentionRows(const void* q, int64_t tokens,
-                                   int64_t q_stride, int64_t heads,
-                                   const paddle::Tensor& key_cache,
-                                   const paddle::Tensor& value_cache,
-                                   int64_t layer,
-                                   const paddle::Tensor& block_tables,
-                                   const paddle::Tensor& rows,
-                                   const paddle::Tensor& positions,
-                                   int64_t block_size, double scale);
-
 }  // namespace paddle_step

@@ -9,13 +9,14 @@ from paddle_step.layers.paged_attention import PagedKVCache, build_flat_batch
 from paddle_step.testing.paged_batches import slot_state
 
 
-def test_build_flat_batch_positions_and_slots() -> None:
+@pytest.mark.parametrize("on_host", [True, False])
+def test_build_flat_batch_positions_and_slots(on_host: bool) -> None:
     block_size = 2
     block_tables = paddle.to_tensor([[5, 1], [7, -1], [0, 3], [4, 6], [2, 8]], dtype="int32")
     input_ids, lens, starts = slot_state(
         rows=[[10, 11, 12], [30], [20], [], [40]], starts=[0, 2, 2, 0, 4], width=3
     )
-    batch = build_flat_batch(input_ids, lens, starts, block_tables, block_size)
+    batch = build_flat_batch(input_ids, lens, starts, block_tables, block_size, on_host)
 
     assert batch["input_ids"].tolist() == [10, 11, 12, 30, 20, 40]
     assert batch["positions"].tolist() == [0, 1, 2, 2, 2, 4]
@@ -27,7 +28,28 @@ def test_build_flat_batch_positions_and_slots() -> None:
     assert batch["block_tables"] is block_tables
 
     with pytest.raises(ValueError, match="no row has tokens"):
-        build_flat_batch(input_ids, paddle.zeros_like(lens), starts, block_tables, block_size)
+        build_flat_batch(
+            input_ids, paddle.zeros_like(lens), starts, block_tables, block_size, on_host
+        )
+
+
+def test_build_flat_batch_on_host_equals_the_paddle_ops() -> None:
+    rng = np.random.default_rng(4)
+    for block_size, batch, width in [(1, 3, 5), (4, 7, 9), (16, 64, 33)]:
+        rows = [rng.integers(0, 500, rng.integers(0, width + 1)).tolist() for _ in range(batch)]
+        rows[0] = rows[0] or [1]  # at least one token
+        starts = rng.integers(0, 40, batch).tolist()
+        tables = rng.integers(-1, 50, (batch, -(-(40 + width) // block_size)))
+        state = slot_state(rows, starts, width)
+        host = build_flat_batch(*state, paddle.to_tensor(tables, "int32"), block_size, True)
+        ops = build_flat_batch(*state, paddle.to_tensor(tables, "int32"), block_size, False)
+        assert host.keys() == ops.keys()
+        for key in host:
+            if isinstance(host[key], paddle.Tensor):
+                assert host[key].dtype == ops[key].dtype, key
+                np.testing.assert_array_equal(host[key].numpy(), ops[key].numpy(), err_msg=key)
+            else:
+                assert host[key] == ops[key], key
 
 
 def test_slot_minus_one_writes_nothing() -> None:

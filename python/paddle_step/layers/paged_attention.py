@@ -190,6 +190,7 @@ def build_flat_batch(
     seq_lens_decoder: paddle.Tensor,
     block_tables: paddle.Tensor,
     block_size: int,
+    on_host: bool | None = None,
 ) -> FlatBatch:
     """Flatten one step of slot-indexed (FastDeploy-style) state for ``forward_paged``.
 
@@ -198,8 +199,16 @@ def build_flat_batch(
     then by position. ``seq_lens_*`` may be [B] or [B, 1], any integer dtype.
 
     Reads the token count back to the host (the flat length is data-dependent) and raises
-    ``ValueError`` if no row has a token.
+    ``ValueError`` if no row has a token. On the CPU the index arithmetic runs in NumPy on
+    the small per-row vectors (a few microseconds, against some twenty Paddle ops on
+    [B, width]); ``on_host`` forces either way (the tests compare them).
     """
+    if on_host is None:
+        on_host = input_ids.place.is_cpu_place()
+    if on_host:
+        return _flat_batch_on_host(
+            input_ids, seq_lens_this_time, seq_lens_decoder, block_tables, block_size
+        )
     batch, width = input_ids.shape
     lens = seq_lens_this_time.reshape([-1]).astype("int64")
     starts = seq_lens_decoder.reshape([-1]).astype("int64")
@@ -231,6 +240,49 @@ def build_flat_batch(
         last_token_index=last_token_index,
         block_tables=block_tables,
         max_context_len=int(paddle.max(paddle.where(lens > 0, starts + lens, lens))),
+    )
+
+
+def _flat_batch_on_host(
+    input_ids: paddle.Tensor,
+    seq_lens_this_time: paddle.Tensor,
+    seq_lens_decoder: paddle.Tensor,
+    block_tables: paddle.Tensor,
+    block_size: int,
+) -> FlatBatch:
+    """``build_flat_batch`` with its index arithmetic in NumPy."""
+    batch, width = input_ids.shape
+    lens = seq_lens_this_time.numpy().reshape(-1).astype(np.int64)
+    starts = seq_lens_decoder.numpy().reshape(-1).astype(np.int64)
+    if lens.shape[0] != batch or starts.shape[0] != batch or block_tables.shape[0] != batch:
+        raise ValueError(
+            "input_ids, seq_lens_this_time, seq_lens_decoder and block_tables must have the "
+            f"same batch size, got {batch}, {lens.shape[0]}, {starts.shape[0]} and "
+            f"{block_tables.shape[0]}"
+        )
+    lens = np.clip(lens, 0, width)  # as the [B, width] mask of the Paddle path
+    token_rows = np.repeat(np.arange(batch, dtype=np.int64), lens)
+    if token_rows.size == 0:
+        raise ValueError("build_flat_batch: no row has tokens this step")
+    ends = np.cumsum(lens)
+    columns = np.arange(token_rows.size, dtype=np.int64) - np.repeat(ends - lens, lens)
+    positions = starts[token_rows] + columns
+    tables = block_tables.numpy()
+    table_columns = positions // block_size
+    in_table = table_columns < tables.shape[1]
+    blocks = tables[token_rows, np.minimum(table_columns, tables.shape[1] - 1)].astype(np.int64)
+    slot_mapping = np.where(
+        in_table & (blocks >= 0), blocks * block_size + positions % block_size, -1
+    )
+    flat_ids = paddle.to_tensor(token_rows * width + columns)
+    return FlatBatch(
+        input_ids=paddle.gather(input_ids.flatten(), flat_ids).astype("int64"),
+        positions=paddle.to_tensor(positions),
+        slot_mapping=paddle.to_tensor(slot_mapping),
+        token_rows=paddle.to_tensor(token_rows),
+        last_token_index=paddle.to_tensor(np.where(lens > 0, ends - 1, -1)),
+        block_tables=block_tables,
+        max_context_len=int(np.max(np.where(lens > 0, starts + lens, lens))),
     )
 
 

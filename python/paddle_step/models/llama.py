@@ -633,9 +633,11 @@ class LlamaForCausalLM(nn.Layer):
         """``forward_paged``'s result from the hidden states of its tokens."""
         last_hidden = paddle.gather(hidden, paddle.clip(last_token_index, min=0))
         logits = self._logits(last_hidden)
-        no_token = last_token_index < 0
-        if bool(no_token.any()):  # [R, vocab] of zeros and a select: only when asked for
-            logits = paddle.where(no_token.unsqueeze(1), paddle.zeros_like(logits), logits)
+        # [R, vocab] of zeros and a select only when asked for (the index is read on the
+        # host: a NumPy test costs a tenth of Paddle's compare, any and sync).
+        if (last_token_index.numpy() < 0).any():
+            no_token = (last_token_index < 0).unsqueeze(1)
+            logits = paddle.where(no_token, paddle.zeros_like(logits), logits)
         if extra_index is None:
             return logits
         return logits, self._logits(paddle.gather(hidden, extra_index))
