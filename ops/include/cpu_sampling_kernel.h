@@ -424,10 +424,17 @@ PADDLE_STEP_ROW_INLINE int64_t Draw(const SamplingBatch& b, int64_t row,
     const float bound = std::log(floor) - 1e-3f;
     int64_t* candidates = scratch.ids.data();
     count = 0;
-    for (int64_t i = 0; i < vocab; ++i) {
-      if (e[i] >= bound) {
-        e[count] = e[i];
-        candidates[count++] = i;
+    // Blocks of 16 with no candidate (most, past a min_p cut) are skipped
+    // on one vector test.
+    constexpr int64_t kBlock = 16;
+    for (int64_t start = 0; start < vocab; start += kBlock) {
+      const int64_t end = std::min(start + kBlock, vocab);
+      if (end - start == kBlock && !(Max(e + start, kBlock) >= bound)) continue;
+      for (int64_t i = start; i < end; ++i) {
+        if (e[i] >= bound) {
+          e[count] = e[i];
+          candidates[count++] = i;
+        }
       }
     }
     ids = candidates;
@@ -477,23 +484,22 @@ PADDLE_STEP_ROW_INLINE void Logprobs(const SamplingBatch& b, int64_t row,
   constexpr int64_t kBlock = 64;
   int64_t filled = 0;
   float bar = kNegInf;
-  for (int64_t i = 0; i < vocab; ++i) {
-    if (filled == width && i % kBlock == 0 && vocab - i >= kBlock &&
-        !(Max(raw + i, kBlock) > bar)) {
-      i += kBlock - 1;
-      continue;
+  for (int64_t start = 0; start < vocab; start += kBlock) {
+    const int64_t end = std::min(start + kBlock, vocab);
+    if (filled == width && !(Max(raw + start, end - start) > bar)) continue;
+    for (int64_t i = start; i < end; ++i) {
+      const float value = raw[i];
+      if (filled == width && !(value > bar)) continue;
+      int64_t at = filled < width ? filled++ : width - 1;  // width <= vocab
+      while (at > 0 && value > values[at - 1]) {
+        values[at] = values[at - 1];
+        ids[at] = ids[at - 1];
+        --at;
+      }
+      values[at] = value;
+      ids[at] = i;
+      if (filled == width) bar = values[width - 1];
     }
-    const float value = raw[i];
-    if (filled == width && !(value > bar)) continue;
-    int64_t at = filled < width ? filled++ : width - 1;  // width <= vocab
-    while (at > 0 && value > values[at - 1]) {
-      values[at] = values[at - 1];
-      ids[at] = ids[at - 1];
-      --at;
-    }
-    values[at] = value;
-    ids[at] = i;
-    if (filled == width) bar = values[width - 1];
   }
   for (int64_t k = 0; k < width; ++k) values[k] = logprob(ids[k]);
 }
