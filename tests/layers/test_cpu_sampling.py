@@ -291,6 +291,22 @@ def test_logprobs_equal_the_paddle_path_and_sampling_is_unchanged_by_them():
     np.testing.assert_allclose(values.numpy(), p_values.numpy(), rtol=2e-6, atol=2e-6)
 
 
+def test_a_batch_big_enough_to_split_over_threads_equals_the_reference():
+    """rows x vocab >= 2**20 logits run in parallel on the CPU kernels' threads (smaller
+    batches on the calling thread alone)."""
+    batch = Batch(rows=520, vocab=2053, uses=set(CONTROLS), seed=12)
+    threads = cpu_linear.num_threads()
+    try:
+        cpu_linear.set_num_threads(3)
+        tokens, (chosen, ids, _) = batch.op(logprobs_top=2)
+    finally:
+        cpu_linear.set_num_threads(threads)
+    np.testing.assert_array_equal(tokens, batch.reference())
+    ref_chosen, ref_ids, _ = reference_logprobs(batch.logits, tokens, 2)
+    np.testing.assert_allclose(chosen.numpy(), ref_chosen, rtol=2e-6, atol=2e-6)
+    np.testing.assert_array_equal(ids.numpy(), ref_ids)
+
+
 def test_rows_of_a_column_slice_and_a_batch_of_one_row():
     batch = Batch(rows=6, vocab=1000, uses=set(CONTROLS), seed=4)
     wide = paddle.to_tensor(np.concatenate([batch.logits, batch.logits[:, :5]], axis=1))

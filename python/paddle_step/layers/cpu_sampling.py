@@ -1,7 +1,7 @@
 """The sampler's CPU float32 path: one call of the op library's fused kernel
-(ops/include/cpu_sampling_kernel.h) per step for the whole batch, rows in parallel on the
-CPU product's threads and instruction-set path (``cpu_linear.set_num_threads``,
-``cpu_linear.set_isa``), instead of the few dozen paddle ops of
+(ops/include/cpu_sampling_kernel.h) per step for the whole batch, on the CPU kernels'
+instruction-set path (``cpu_linear.set_isa``) and, for batches of 2**20 logits or more, their
+threads (``cpu_linear.set_num_threads``), instead of the few dozen paddle ops of
 ``sampler.apply_controls``, ``sample_tokens`` and ``token_logprobs``. Same semantics as
 those (sampler.py documents them); other places and dtypes stay on the paddle path
 (``supports`` tells which).
