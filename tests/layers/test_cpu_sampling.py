@@ -18,7 +18,6 @@ from paddle_step.layers.sampler import (
     token_logprobs,
 )
 from paddle_step.sampling_params import pack_token_mask, unpack_token_mask
-from paddle_step.testing.cpu_paths import ISA_PATHS, on_isa, runs_here
 
 VOCABS = (1, 7, 1000, 2053)
 CONTROLS = ("allowed", "stop", "bias", "penalties", "repetition", "top_k", "min_p", "top_p")
@@ -202,19 +201,9 @@ def reference_logprobs(logits: np.ndarray, tokens: np.ndarray, top: int):
     return logprobs[np.arange(len(x)), tokens], ids, np.take_along_axis(logprobs, ids, 1)
 
 
-@pytest.fixture(params=ISA_PATHS[:3])
-def isa_path(request):
-    """Each instruction-set path the kernel compiles for (the same float32 operations,
-    vectorized to each set's width)."""
-    if not runs_here(request.param):
-        pytest.skip(f"this CPU runs up to {cpu_linear.best_isa()}, not {request.param}")
-    with on_isa(request.param):
-        yield request.param
-
-
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("control", (*CONTROLS, "none", "all"))
-def test_each_control_equals_the_reference_and_the_paddle_path(isa_path, vocab, control):
+def test_each_control_equals_the_reference_and_the_paddle_path(float_isa_path, vocab, control):
     uses = set(CONTROLS) if control == "all" else set() if control == "none" else {control}
     batch = Batch(rows=23, vocab=vocab, uses=uses, seed=vocab + len(control))
     tokens, _ = batch.op()
@@ -230,7 +219,7 @@ def assert_equal_but_the_last_draw(tokens: np.ndarray, paddle_tokens: np.ndarray
 
 
 @pytest.mark.parametrize("vocab", (7, 1000, 2053))
-def test_ties_keep_the_lowest_id_greedy_and_every_tied_token_at_each_cut(isa_path, vocab):
+def test_ties_keep_the_lowest_id_greedy_and_every_tied_token_at_each_cut(float_isa_path, vocab):
     batch = Batch(rows=31, vocab=vocab, uses=set(CONTROLS), seed=5, ties=True)
     tokens, _ = batch.op()
     np.testing.assert_array_equal(tokens, batch.reference())
@@ -242,7 +231,7 @@ def test_ties_keep_the_lowest_id_greedy_and_every_tied_token_at_each_cut(isa_pat
 @pytest.mark.parametrize("top_k, min_p, top_p", [
     (1, 0.0, 1.0), (2, 0.0, 1.0), (0, 1.0, 1.0), (0, 0.0, 1e-6), (3, 0.5, 0.5), (0, 0.0, 0.999),
 ])  # fmt: skip
-def test_draws_reach_exactly_the_kept_tokens(isa_path, top_k, min_p, top_p):
+def test_draws_reach_exactly_the_kept_tokens(float_isa_path, top_k, min_p, top_p):
     """A fine grid of uniforms over one row: the drawn set is exactly the kept set, and
     each token's share of the grid is its probability among the kept."""
     rng = np.random.default_rng(top_k + 11)
@@ -264,7 +253,7 @@ def test_draws_reach_exactly_the_kept_tokens(isa_path, top_k, min_p, top_p):
 
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("top", (0, 1, 5))
-def test_logprobs_are_the_raw_log_softmax(isa_path, vocab, top):
+def test_logprobs_are_the_raw_log_softmax(float_isa_path, vocab, top):
     top = min(top, vocab)
     batch = Batch(rows=9, vocab=vocab, uses=set(CONTROLS), seed=vocab + top)
     batch.logits[0, :3] = batch.logits[0].max()  # ties among the most likely

@@ -12,14 +12,11 @@ import paddle
 import pytest
 
 from paddle_step.config import ModelConfig
-from paddle_step.layers import cpu_linear
 from paddle_step.layers.dense_blocks import ModelBlocks, padded_rows
 from paddle_step.layers.paged_attention import PagedKVCache, build_flat_batch
 from paddle_step.models import llama
 from paddle_step.models.llama import LlamaForCausalLM
 from paddle_step.testing.paged_batches import scrambled_block_tables, slot_state
-
-ISA_RANK = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}
 
 CONFIGS = {
     "llama-gqa": ModelConfig(seed=3),
@@ -30,15 +27,6 @@ CONFIGS = {
     "mha": ModelConfig(seed=9, hidden_size=48, num_heads=3, num_kv_heads=3,
                        intermediate_size=72, tie_word_embeddings=True),
 }  # fmt: skip
-
-
-@pytest.fixture(params=["scalar", "avx2", "avx512"])
-def isa_path(request):
-    if ISA_RANK[request.param] > ISA_RANK[cpu_linear.best_isa()]:
-        pytest.skip(f"this CPU runs up to {cpu_linear.best_isa()}, not {request.param}")
-    cpu_linear.set_isa(request.param)
-    yield request.param
-    cpu_linear.set_isa("auto")
 
 
 def decode_step(model, fused: bool, monkeypatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
