@@ -14,6 +14,7 @@
 #include "cpu_attention_ops.h"
 #include "cpu_decoder_layer_ops.h"
 #include "cpu_linear_ops.h"
+#include "cpu_sampling_ops.h"
 #include "paddle/utils/pybind.h"
 #include "paddle_step_ops.h"
 #include "step_paddle_tensors.h"
@@ -183,6 +184,39 @@ PYBIND11_MODULE(paddle_step_ops, module) {
       pybind11::arg("slots"), pybind11::arg("block_tables"),
       pybind11::arg("rows"), pybind11::arg("positions"),
       pybind11::arg("block_size"));
+  module.def(
+      "cpu_sample",
+      [](const paddle::Tensor& logits, const paddle::Tensor& temperature,
+         const paddle::Tensor& top_p, const pybind11::object& top_k,
+         const pybind11::object& min_p, const pybind11::object& uniforms,
+         const pybind11::object& allowed_bits, const pybind11::object& stop_ids,
+         const pybind11::object& min_tokens, const pybind11::object& step_idx,
+         const pybind11::object& output_ids, const pybind11::object& bias_ids,
+         const pybind11::object& bias_values,
+         const pybind11::object& presence_penalty,
+         const pybind11::object& frequency_penalty,
+         const pybind11::object& repetition_penalty,
+         const pybind11::object& prompt_ids, int64_t top_logprobs) {
+        return paddle_step::CpuSample(
+            logits, temperature, top_p, OptionalTensor(top_k),
+            OptionalTensor(min_p), OptionalTensor(uniforms),
+            OptionalTensor(allowed_bits), OptionalTensor(stop_ids),
+            OptionalTensor(min_tokens), OptionalTensor(step_idx),
+            OptionalTensor(output_ids), OptionalTensor(bias_ids),
+            OptionalTensor(bias_values), OptionalTensor(presence_penalty),
+            OptionalTensor(frequency_penalty),
+            OptionalTensor(repetition_penalty), OptionalTensor(prompt_ids),
+            top_logprobs);
+      },
+      pybind11::arg("logits"), pybind11::arg("temperature"),
+      pybind11::arg("top_p"), pybind11::arg("top_k"), pybind11::arg("min_p"),
+      pybind11::arg("uniforms"), pybind11::arg("allowed_bits"),
+      pybind11::arg("stop_ids"), pybind11::arg("min_tokens"),
+      pybind11::arg("step_idx"), pybind11::arg("output_ids"),
+      pybind11::arg("bias_ids"), pybind11::arg("bias_values"),
+      pybind11::arg("presence_penalty"), pybind11::arg("frequency_penalty"),
+      pybind11::arg("repetition_penalty"), pybind11::arg("prompt_ids"),
+      pybind11::arg("top_logprobs"));
   module.def("cpu_read_sum", &paddle_step::CpuReadSum, pybind11::arg("data"));
   module.def("cpu_fma_rate", &paddle_step::CpuFmaRate,
              pybind11::arg("iterations"));

@@ -78,25 +78,6 @@ CpuLinearState& State() {
   return state;
 }
 
-// The distance between the rows of a CPU matrix whose rows are contiguous (a
-// column slice of a wider one is fine: no copy).
-int64_t RowStride(const char* name, const paddle::Tensor& matrix) {
-  if (!matrix.is_cpu()) {
-    kCheck.Fail(name, "a CPU tensor", "a tensor on " + PlaceString(matrix));
-  }
-  const auto& dims = matrix.dims();
-  const auto& strides = matrix.strides();
-  if (strides.size() != dims.size()) return dims[1];
-  const bool rows_contiguous = dims[1] == 1 || strides[1] == 1;
-  const bool rows_apart = dims[0] == 1 || strides[0] >= dims[1];
-  if (!rows_contiguous || !rows_apart) {
-    kCheck.Fail(name, "a matrix whose rows are contiguous",
-                "strides " + ShapeString(strides.Get(), strides.size()) +
-                    " for shape " + ShapeString(dims.Get(), dims.size()));
-  }
-  return dims[0] == 1 ? dims[1] : strides[0];
-}
-
 void CheckMatrix(const char* name, const paddle::Tensor& w,
                  std::initializer_list<paddle::DataType> dtypes) {
   const TensorView view = ViewOf(w);
@@ -196,7 +177,7 @@ paddle::Tensor CpuLinear(const paddle::Tensor& x, const paddle::Tensor& weights,
   kCheck.Shape("x", x_view, {-1, -1});
   const int64_t m = x_view.dims[0];
   const int64_t k = x_view.dims[1];
-  const int64_t x_stride = RowStride("x", x);
+  const int64_t x_stride = kCheck.RowStride("x", x);
   if (k < 1) kCheck.Fail("x", "shape [M, K] with K >= 1", "shape " + ShapeString({m, k}));
   kCheck.Positive("n", n);
 

@@ -52,3 +52,27 @@ def pytest_addoption(parser):
 @pytest.fixture
 def soak_steps(request):
     return request.config.getoption("--soak-steps")
+
+
+def _on_path(path):
+    """The CPU ops run on instruction-set ``path`` inside (skips where this CPU lacks it)."""
+    from paddle_step.testing.cpu_paths import on_isa, runs_here
+
+    if not runs_here(path):
+        pytest.skip(f"this CPU has no {path} path")
+    return on_isa(path)
+
+
+@pytest.fixture(params=["scalar", "avx2", "avx512", "avx512_bf16"])
+def isa_path(request):
+    """Each instruction-set path of the CPU ops."""
+    with _on_path(request.param):
+        yield request.param
+
+
+@pytest.fixture(params=["scalar", "avx2", "avx512"])
+def float_isa_path(request):
+    """Each path of the kernels that run float32 alone (AVX512-BF16 and VNNI change only
+    the bfloat16 and int8 products: those kernels run the AVX-512 path there)."""
+    with _on_path(request.param):
+        yield request.param

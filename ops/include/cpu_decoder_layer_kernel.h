@@ -7,8 +7,9 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cpu_float_math.h"
+#include "cpu_float_vectors.h"
 #include "cpu_isa.h"
-#include "cpu_vector_exp.h"
 
 namespace paddle_step::cpu {
 
@@ -17,9 +18,7 @@ inline void RmsNorm(const float* x, const float* weight, int64_t rows,
                     int64_t width, float eps, float* out) {
   for (int64_t t = 0; t < rows; ++t) {
     const float* row = x + t * width;
-    float sum = 0;
-    for (int64_t i = 0; i < width; ++i) sum += row[i] * row[i];
-    const float scale = 1.0f / std::sqrt(sum / width + eps);
+    const float scale = 1.0f / std::sqrt(Dot(row, row, width) / width + eps);
     for (int64_t i = 0; i < width; ++i) {
       out[t * width + i] = row[i] * scale * weight[i];
     }
@@ -53,80 +52,33 @@ inline void AddInPlace(float* x, const float* y, int64_t count) {
   for (int64_t i = 0; i < count; ++i) x[i] += y[i];
 }
 
-namespace swiglu_scalar {
-// out[t, i] = silu(gate_up[t, i]) * gate_up[t, width + i].
-inline void SiluTimesUp(const float* gate_up, int64_t rows, int64_t width,
-                        float* out) {
-  for (int64_t t = 0; t < rows; ++t) {
-    const float* gate = gate_up + t * 2 * width;
-    const float* up = gate + width;
-    for (int64_t i = 0; i < width; ++i) {
-      out[t * width + i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+// out[t, i] = silu(gate_up[t, i]) * gate_up[t, width + i], with silu(g) =
+// g / (1 + e^-g) computed from e = e^-|g| (cpu_float_math.h's e^x takes
+// x <= 0): g / (1 + e) for g >= 0, g e / (1 + e) below.
+struct SiluTimesUpLoop {
+  template <typename Floats>
+  PADDLE_STEP_LOOP_INLINE static int Run(const float* gate_up, int64_t rows,
+                                         int64_t width, float* out) {
+    for (int64_t t = 0; t < rows; ++t) {
+      const float* gate = gate_up + t * 2 * width;
+      const float* up = gate + width;
+      float* o = out + t * width;
+      for (int64_t i = 0; i < width; ++i) o[i] = -std::fabs(gate[i]);
+      ExpNonPositive(o, o, width);
+      for (int64_t i = 0; i < width; ++i) {
+        const float g = gate[i];
+        const float e = o[i];
+        o[i] = g * ((g >= 0.0f ? 1.0f : e) / (1.0f + e)) * up[i];
+      }
     }
+    return 0;
   }
-}
-}  // namespace swiglu_scalar
-
-#ifdef PADDLE_STEP_VECTOR_EXP_X86
-#pragma GCC push_options
-#pragma GCC target("avx512f,fma")
-namespace swiglu_avx512 {
-inline void SiluTimesUp(const float* gate_up, int64_t rows, int64_t width,
-                        float* out) {
-  const __m512 one = _mm512_set1_ps(1.0f);
-  for (int64_t t = 0; t < rows; ++t) {
-    const float* gate = gate_up + t * 2 * width;
-    const float* up = gate + width;
-    for (int64_t i = 0; i < width; i += 16) {
-      const __mmask16 lanes = width - i >= 16
-                                  ? __mmask16(0xFFFF)
-                                  : __mmask16((1u << (width - i)) - 1);
-      const __m512 g = _mm512_maskz_loadu_ps(lanes, gate + i);
-      const __m512 silu = _mm512_div_ps(
-          g, _mm512_add_ps(one, ExpAvx512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-      _mm512_mask_storeu_ps(
-          out + t * width + i, lanes,
-          _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(lanes, up + i)));
-    }
-  }
-}
-}  // namespace swiglu_avx512
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-namespace swiglu_avx2 {
-inline void SiluTimesUp(const float* gate_up, int64_t rows, int64_t width,
-                        float* out) {
-  const __m256 one = _mm256_set1_ps(1.0f);
-  const int64_t whole = width / 8 * 8;
-  for (int64_t t = 0; t < rows; ++t) {
-    const float* gate = gate_up + t * 2 * width;
-    const float* up = gate + width;
-    for (int64_t i = 0; i < whole; i += 8) {
-      const __m256 g = _mm256_loadu_ps(gate + i);
-      const __m256 silu = _mm256_div_ps(
-          g, _mm256_add_ps(one, ExpAvx2(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-      _mm256_storeu_ps(out + t * width + i,
-                       _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
-    }
-    for (int64_t i = whole; i < width; ++i) {
-      out[t * width + i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
-    }
-  }
-}
-}  // namespace swiglu_avx2
-#pragma GCC pop_options
-#endif
+};
 
 inline void SiluTimesUp(Isa isa, const float* gate_up, int64_t rows,
                         int64_t width, float* out) {
-#ifdef PADDLE_STEP_VECTOR_EXP_X86
-  if (isa >= Isa::kAvx512) return swiglu_avx512::SiluTimesUp(gate_up, rows, width, out);
-  if (isa == Isa::kAvx2) return swiglu_avx2::SiluTimesUp(gate_up, rows, width, out);
-#endif
-  (void)isa;
-  swiglu_scalar::SiluTimesUp(gate_up, rows, width, out);
+  int lanes = 1;
+  RunOn<SiluTimesUpLoop>(isa, &lanes, gate_up, rows, width, out);
 }
 
 }  // namespace paddle_step::cpu

@@ -179,6 +179,25 @@ class InputChecker {
     }
   }
 
+  // The distance between the rows of a CPU matrix whose rows are contiguous
+  // (a column slice of a wider one is fine: no copy).
+  int64_t RowStride(const char* name, const paddle::Tensor& matrix) const {
+    if (!matrix.is_cpu()) {
+      Fail(name, "a CPU tensor", "a tensor on " + PlaceString(matrix));
+    }
+    const auto& dims = matrix.dims();
+    const auto& strides = matrix.strides();
+    if (strides.size() != dims.size()) return dims[1];
+    const bool rows_contiguous = dims[1] == 1 || strides[1] == 1;
+    const bool rows_apart = dims[0] == 1 || strides[0] >= dims[1];
+    if (!rows_contiguous || !rows_apart) {
+      Fail(name, "a matrix whose rows are contiguous",
+           "strides " + ShapeString(strides.Get(), strides.size()) +
+               " for shape " + ShapeString(dims.Get(), dims.size()));
+    }
+    return dims[0] == 1 ? dims[1] : strides[0];
+  }
+
  private:
   static bool Matches(const TensorView& tensor,
                       std::initializer_list<int64_t> expected) {

@@ -13,17 +13,49 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["MAX_LOGPROBS", "SamplingParams", "TokenConstraint"]
+__all__ = [
+    "MAX_LOGPROBS",
+    "SamplingParams",
+    "TokenConstraint",
+    "pack_token_mask",
+    "token_mask_words",
+    "unpack_token_mask",
+]
 
 # The most top-logprob alternatives a request may ask for per position (OpenAI's
 # completions API allows 5, chat's top_logprobs 20).
 MAX_LOGPROBS = 20
 
 
+def token_mask_words(vocab_size: int) -> int:
+    """The int32 words of a packed token mask over ``vocab_size`` tokens."""
+    return (vocab_size + 31) // 32
+
+
+def pack_token_mask(mask: np.ndarray) -> np.ndarray:
+    """bool [..., V] to int32 [..., ceil(V / 32)]: bit j of word w allows token 32 w + j
+    (llguidance's and xgrammar's bitmask layout); the bits past V are 0."""
+    mask = np.asarray(mask, dtype=bool)
+    padded = np.zeros((*mask.shape[:-1], 32 * token_mask_words(mask.shape[-1])), dtype=bool)
+    padded[..., : mask.shape[-1]] = mask
+    return np.packbits(padded, axis=-1, bitorder="little").view(np.int32)
+
+
+def unpack_token_mask(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """``pack_token_mask``'s inverse: int32 [..., ceil(V / 32)] to bool [..., V]."""
+    words = np.ascontiguousarray(words, dtype=np.int32)
+    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")
+    return bits[..., :vocab_size].astype(bool)
+
+
 class TokenConstraint(Protocol):
     """A per-request restriction of the next token (structured output): the engine asks
     for the allowed set before each sampled token of the request and reports the token
-    it sampled. One object per request; it keeps its own state."""
+    it sampled. One object per request; it keeps its own state.
+
+    A constraint may also have ``allowed_bitmask(vocab_size)``: the same set packed as
+    ``pack_token_mask`` packs it (int32 [ceil(vocab_size / 32)], None allows all), which
+    the engine then asks for instead, saving the bool mask and its packing per step."""
 
     def allowed_tokens(self, vocab_size: int) -> np.ndarray | None:
         """A bool [vocab_size] mask of the tokens allowed next; None allows all."""

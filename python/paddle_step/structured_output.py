@@ -17,6 +17,8 @@ import llguidance
 import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
+from .sampling_params import unpack_token_mask
+
 __all__ = ["JsonSchemaConstraint", "compile_json_schema"]
 
 # Compact JSON (no free whitespace between tokens): a sampling model could otherwise pad
@@ -82,6 +84,11 @@ class JsonSchemaConstraint:
         return self._matcher
 
     def allowed_tokens(self, vocab_size: int) -> np.ndarray:
+        return unpack_token_mask(self.allowed_bitmask(vocab_size), vocab_size)
+
+    def allowed_bitmask(self, vocab_size: int) -> np.ndarray:
+        """The allowed set as llguidance fills it (``pack_token_mask``'s layout); a view
+        of this constraint's buffer, valid until the next call."""
         if vocab_size != self.vocab_size:
             raise ValueError(
                 f"JsonSchemaConstraint: argument 'vocab_size': expected {self.vocab_size} "
@@ -89,8 +96,7 @@ class JsonSchemaConstraint:
             )
         matcher = self._matcher_here()
         fill_next_token_bitmask(matcher, self._bitmask)
-        bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
-        return bits[:vocab_size].astype(bool)
+        return self._bitmask[0]
 
     def accept_token(self, token_id: int) -> None:
         # A token outside the mask puts the matcher in its error state, where it is

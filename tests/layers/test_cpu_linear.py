@@ -23,9 +23,8 @@ import paddle
 import pytest
 
 from paddle_step.layers import cpu_linear
+from paddle_step.testing.cpu_paths import ISA_PATHS, on_isa, runs_here
 
-ISA_PATHS = ("scalar", "avx2", "avx512", "avx512_bf16")
-ISA_RANK = {name: rank for rank, name in enumerate(ISA_PATHS)}
 FORMATS = (("float32", None), ("bfloat16", None), ("int8", None), ("int8", 32))
 UNIT_ROUNDOFF = 2.0**-24
 
@@ -151,11 +150,10 @@ def format_case(index, weight_format, group_size, isa):
 
 @pytest.fixture(params=ISA_PATHS)
 def isa_path(request):
-    if ISA_RANK[request.param] > ISA_RANK[cpu_linear.best_isa()]:
+    if not runs_here(request.param):
         pytest.skip(f"this CPU runs up to {cpu_linear.best_isa()}, not {request.param}")
-    cpu_linear.set_isa(request.param)
-    yield request.param
-    cpu_linear.set_isa("auto")
+    with on_isa(request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize("weight_format, group_size", FORMATS)
@@ -232,19 +230,14 @@ def test_a_product_can_run_on_a_lower_path(weight_format, group_size):
     w = rng.standard_normal((101, 70)).astype(np.float32)
     x = paddle.to_tensor(rng.standard_normal((13, 101)).astype(np.float32))
     packed = cpu_linear.pack(w, weight_format, group_size)
-    best = cpu_linear.best_isa()
-    try:
-        for path in ISA_PATHS[: ISA_RANK[best] + 1]:
-            cpu_linear.set_isa(path)
+    for path in filter(runs_here, ISA_PATHS):
+        with on_isa(path):
             expected = cpu_linear.linear(x, packed).numpy()
-            cpu_linear.set_isa("auto")
-            np.testing.assert_array_equal(cpu_linear.linear(x, packed, isa=path).numpy(), expected)
-        if best != "scalar":
-            cpu_linear.set_isa("scalar")
-            with pytest.raises(ValueError, match="argument 'isa': expected a path products"):
-                cpu_linear.linear(x, packed, isa=best)
-    finally:
-        cpu_linear.set_isa("auto")
+        np.testing.assert_array_equal(cpu_linear.linear(x, packed, isa=path).numpy(), expected)
+    best = cpu_linear.best_isa()
+    if best != "scalar":
+        with on_isa("scalar"), pytest.raises(ValueError, match="argument 'isa': expected a path"):
+            cpu_linear.linear(x, packed, isa=best)
 
 
 def test_read_sum_and_fma_rate():

@@ -10,9 +10,7 @@ import pytest
 import paddle_step_ops
 from paddle_step.layers import cpu_linear
 from paddle_step.layers.paged_attention import PagedKVCache
-
-ISA_PATHS = ("scalar", "avx2", "avx512")
-ISA_RANK = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}
+from paddle_step.testing.cpu_paths import ISA_PATHS, on_isa, runs_here
 
 # (heads, kv_heads, head_dim, block_size): MHA and GQA groups, head dims off the vector
 # widths (8, 16) and on them, blocks of one slot and of several.
@@ -24,15 +22,6 @@ SHAPES = (
     (8, 8, 16, 2),
     (3, 1, 80, 5),
 )
-
-
-@pytest.fixture(params=ISA_PATHS)
-def isa_path(request):
-    if ISA_RANK[request.param] > ISA_RANK[cpu_linear.best_isa()]:
-        pytest.skip(f"this CPU runs up to {cpu_linear.best_isa()}, not {request.param}")
-    cpu_linear.set_isa(request.param)
-    yield request.param
-    cpu_linear.set_isa("auto")
 
 
 def reference_attention(q, key, value, tables, rows, positions, block_size, scale):
@@ -75,7 +64,7 @@ def random_case(rng, shape, dtype, table_dtype):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("table_dtype", [np.int32, np.int64])
-def test_float32_matches_reference(isa_path, shape, table_dtype):
+def test_float32_matches_reference(float_isa_path, shape, table_dtype):
     rng = np.random.default_rng(sum(shape))
     q, key, value, tables, rows, positions = random_case(rng, shape, np.float32, table_dtype)
     block_size, scale = shape[3], 1 / math.sqrt(shape[2])
@@ -115,15 +104,14 @@ def test_paths_and_thread_counts_agree_closely():
     results = {}
     threads = cpu_linear.num_threads()
     try:
-        for isa in [p for p in ISA_PATHS if ISA_RANK[p] <= ISA_RANK[cpu_linear.best_isa()]]:
+        for isa in [path for path in ISA_PATHS[:3] if runs_here(path)]:
             for count in (1, 3):
-                cpu_linear.set_isa(isa)
                 cpu_linear.set_num_threads(count)
-                results[isa, count] = paddle_step_ops.cpu_decode_attention(
-                    q, key, value, 0, tables, rows, positions, 16, 0.125
-                ).numpy()
+                with on_isa(isa):
+                    results[isa, count] = paddle_step_ops.cpu_decode_attention(
+                        q, key, value, 0, tables, rows, positions, 16, 0.125
+                    ).numpy()
     finally:
-        cpu_linear.set_isa("auto")
         cpu_linear.set_num_threads(threads)
     scalar = results["scalar", 1]
     for (isa, count), out in results.items():

@@ -228,17 +228,13 @@ def test_float64_stays_eager_and_the_switch_leaves_compiled_out(monkeypatch) -> 
 def test_packed_weights_run_two_ways_where_the_cpu_has_dot_products(weight_format) -> None:
     """``op`` (dot products on x in bfloat16 or 8 bits) and ``op_widened`` where the op runs
     its avx512_bf16 path; ``op`` alone on any lower path (set_isa forces one)."""
-    from paddle_step.layers import cpu_linear
+    from paddle_step.testing.cpu_paths import on_isa, runs_here
 
     config = ModelConfig(vocab_size=300, hidden_size=64, num_layers=1, weight_format=weight_format)
-    paths = ("avx2", "avx512", "avx512_bf16")
-    try:
-        for path in paths[: paths.index(cpu_linear.best_isa()) + 1]:
-            cpu_linear.set_isa(path)
+    for path in filter(runs_here, ("avx2", "avx512", "avx512_bf16")):
+        with on_isa(path):
             expected = ("op", "op_widened") if path == "avx512_bf16" else ("op",)
             assert all(block.methods == expected for block in model_blocks(config)), path
-    finally:
-        cpu_linear.set_isa("auto")
 
 
 def test_switch_rejects_other_values(monkeypatch) -> None:

@@ -12,14 +12,12 @@ import paddle
 import pytest
 
 from paddle_step.config import ModelConfig
-from paddle_step.layers import cpu_linear
 from paddle_step.layers.dense_blocks import ModelBlocks, padded_rows
 from paddle_step.layers.paged_attention import PagedKVCache, build_flat_batch
 from paddle_step.models import llama
 from paddle_step.models.llama import LlamaForCausalLM
+from paddle_step.testing.cpu_paths import runs_here
 from paddle_step.testing.paged_batches import scrambled_block_tables, slot_state
-
-ISA_RANK = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}
 
 CONFIGS = {
     "llama-gqa": ModelConfig(seed=3),
@@ -30,15 +28,6 @@ CONFIGS = {
     "mha": ModelConfig(seed=9, hidden_size=48, num_heads=3, num_kv_heads=3,
                        intermediate_size=72, tie_word_embeddings=True),
 }  # fmt: skip
-
-
-@pytest.fixture(params=["scalar", "avx2", "avx512"])
-def isa_path(request):
-    if ISA_RANK[request.param] > ISA_RANK[cpu_linear.best_isa()]:
-        pytest.skip(f"this CPU runs up to {cpu_linear.best_isa()}, not {request.param}")
-    cpu_linear.set_isa(request.param)
-    yield request.param
-    cpu_linear.set_isa("auto")
 
 
 def decode_step(model, fused: bool, monkeypatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -74,6 +63,10 @@ def decode_step(model, fused: bool, monkeypatch) -> tuple[np.ndarray, np.ndarray
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("weight_format", [None, "bfloat16", "int8"])
 def test_fused_decode_step_matches_the_blocks(isa_path, name, weight_format, monkeypatch):
+    if weight_format is not None:
+        # One way for both (avx512_bf16 has two for packed weights, and fuse_layers is
+        # forced here, before the blocks have measured theirs).
+        monkeypatch.setenv("PADDLE_STEP_DENSE", "op")
     config = CONFIGS[name]
     config = ModelConfig(**{**config.__dict__, "weight_format": weight_format})
     model = LlamaForCausalLM(config)
@@ -106,7 +99,7 @@ def test_fused_products_run_the_way_the_blocks_keep(weight_format, way, monkeypa
     """Packed weights where the op has dot products (avx512_bf16): a fused layer's products
     run the way both blocks keep (``op_path``), so the fused step equals the blocks' step
     (the other way's activations are rounded differently: off by far more than this)."""
-    if cpu_linear.best_isa() != "avx512_bf16":
+    if not runs_here("avx512_bf16"):
         pytest.skip("packed weights have one way below avx512_bf16")
     monkeypatch.setenv("PADDLE_STEP_DENSE", way)
     config = ModelConfig(**{**CONFIGS["biases-odd"].__dict__, "weight_format": weight_format})

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import paddle_step
+from paddle_step.sampling_params import pack_token_mask, token_mask_words
 from paddle_step.structured_output import JsonSchemaConstraint, compile_json_schema
 from paddle_step.testing.constraints import OBJECT_SCHEMA
 from paddle_step.tokenizer.hf import HFTokenizer
@@ -63,6 +64,10 @@ def test_mask_allows_exactly_the_tokens_that_keep_the_text_valid():
     assert all(tokenizer.decode([int(token)]).startswith("{") for token in allowed)
     brace = tokenizer.tokenizer.token_to_id("{")
     assert mask[brace]
+    # The packed form the engine takes is the same set.
+    words = constraint.allowed_bitmask(VOCAB)
+    assert words.dtype == np.int32 and words.shape == (token_mask_words(VOCAB),)
+    np.testing.assert_array_equal(words, pack_token_mask(mask))
 
 
 def test_pickles_without_its_matcher_and_resumes_fresh():

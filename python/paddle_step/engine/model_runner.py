@@ -11,6 +11,7 @@ import numpy as np
 import paddle
 
 from ..config import EngineConfig
+from ..layers import cpu_sampling
 from ..layers.paged_attention import PagedKVCache, build_flat_batch
 from ..layers.sampler import (
     SamplingControls,
@@ -21,6 +22,7 @@ from ..layers.sampler import (
 )
 from ..models.llama import LlamaForCausalLM
 from ..ops import advance_step, step_paddle
+from ..sampling_params import unpack_token_mask
 from .outputs import StepOutcome
 from .request import MAX_LOGIT_BIAS, MAX_STOP_IDS, Request
 from .scheduler import PrefillChunk, SamplingPlan
@@ -180,8 +182,11 @@ class ModelRunner:
         self, logits: paddle.Tensor, uniforms: paddle.Tensor | None, plan: SamplingPlan
     ) -> tuple[paddle.Tensor, tuple | None]:
         """One token per slot, with each slot's sampling controls; and, when ``plan``
-        asks, ``token_logprobs`` of the raw logits (before any control)."""
+        asks, ``token_logprobs`` of the raw logits (before any control). Float32 logits
+        on the CPU take the fused CPU op; others the paddle ops."""
         state = self.state
+        if cpu_sampling.supports(logits):
+            return self._sample_on_cpu(logits, uniforms, plan)
         if plan.is_plain:  # the greedy / temperature-only batch: nothing else to do
             return sample_tokens(logits, state.temperature, state.top_p, uniforms), None
         controls = self._controls(plan)
@@ -193,13 +198,46 @@ class ModelRunner:
             logprobs = token_logprobs(logits, tokens, plan.logprobs_top)
         return tokens, logprobs
 
+    def _sample_on_cpu(
+        self, logits: paddle.Tensor, uniforms: paddle.Tensor | None, plan: SamplingPlan
+    ) -> tuple[paddle.Tensor, tuple | None]:
+        """``sample`` in one call of the CPU op, which reads the slot state's tables as
+        they are (pre_ids up to step_idx, the prompt up to its first pad)."""
+        state = self.state
+        controls = {}
+        if plan.allowed_bits is not None:
+            controls["allowed_bits"] = paddle.to_tensor(plan.allowed_bits, place=state.place)
+        if plan.min_tokens:
+            controls.update(stop_ids=state.eos_token_ids, min_tokens=state.min_tokens)
+        if plan.bias_width:
+            controls.update(bias_ids=state.logit_bias_ids[:, : plan.bias_width],
+                            bias_values=state.logit_bias_values[:, : plan.bias_width])  # fmt: skip
+        if plan.penalties or plan.repetition:
+            controls["output_ids"] = state.pre_ids
+        if plan.min_tokens or plan.penalties or plan.repetition:
+            controls["step_idx"] = state.step_idx
+        if plan.penalties:
+            controls.update(presence_penalty=state.presence_penalty,
+                            frequency_penalty=state.frequency_penalty)  # fmt: skip
+        if plan.repetition:
+            controls.update(repetition_penalty=state.repetition_penalty,
+                            prompt_ids=state.prompt_ids)  # fmt: skip
+        if plan.top_k:
+            controls["top_k"] = state.top_k
+        if plan.min_p:
+            controls["min_p"] = state.min_p
+        return cpu_sampling.sample(logits, state.temperature, state.top_p, uniforms,
+                                   logprobs_top=plan.logprobs_top, **controls)  # fmt: skip
+
     def _controls(self, plan: SamplingPlan) -> SamplingControls:
         """The controls ``plan`` needs, from the slot state (FastDeploy computes its
         penalties from ``pre_ids`` too)."""
         state = self.state
         controls = SamplingControls()
-        if plan.allowed is not None:
-            controls.allowed = paddle.to_tensor(plan.allowed, place=state.place)
+        if plan.allowed_bits is not None:
+            vocab = self.model.config.vocab_size
+            allowed = unpack_token_mask(plan.allowed_bits, vocab)
+            controls.allowed = paddle.to_tensor(allowed, place=state.place)
         if plan.min_tokens:
             under = (
                 (state.step_idx < state.min_tokens).unsqueeze(1).expand(state.eos_token_ids.shape)

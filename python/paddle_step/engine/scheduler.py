@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from ..config import EngineConfig
+from ..sampling_params import pack_token_mask, token_mask_words
 from .block_allocator import EncoderBlockAllocator
 from .outputs import (
     FINISH_ABORT,
@@ -69,9 +70,10 @@ def _controls_of(request: Request) -> list[bool]:
 @dataclass
 class SamplingPlan:
     """What this step's sampling needs, from the running slots' requests: which controls
-    some slot uses (the others are skipped), the widest ``logit_bias``, the allowed-token
-    mask of constrained slots ([B, V], all True elsewhere), and the most logprob
-    alternatives a slot asks for (None: no slot needs logprobs)."""
+    some slot uses (the others are skipped), the widest ``logit_bias``, the allowed tokens
+    of constrained slots packed as ``pack_token_mask`` packs them ([B, ceil(V / 32)]
+    int32, all bits set elsewhere), and the most logprob alternatives a slot asks for
+    (None: no slot needs logprobs)."""
 
     penalties: bool = False
     repetition: bool = False
@@ -79,7 +81,7 @@ class SamplingPlan:
     min_tokens: bool = False
     top_k: bool = False
     min_p: bool = False
-    allowed: np.ndarray | None = None
+    allowed_bits: np.ndarray | None = None
     logprobs_top: int | None = None
 
     @property
@@ -87,7 +89,7 @@ class SamplingPlan:
         """Nothing but temperature and top_p: the sampler's fast path."""
         return not (
             self.penalties or self.repetition or self.bias_width or self.min_tokens
-            or self.top_k or self.min_p or self.allowed is not None
+            or self.top_k or self.min_p or self.allowed_bits is not None
             or self.logprobs_top is not None
         )  # fmt: skip
 
@@ -335,12 +337,28 @@ class Scheduler:
         if (tops >= 0).any():
             plan.logprobs_top = int(tops.max())
         if used[CONSTRAINT]:
-            plan.allowed = np.ones((self.config.max_batch, vocab_size), dtype=bool)
-            for slot in np.flatnonzero(running & self.slot_controls[:, CONSTRAINT]).tolist():
-                mask = self.slot_requests[slot].params.constraint.allowed_tokens(vocab_size)
-                if mask is not None:
-                    plan.allowed[slot] = mask
+            plan.allowed_bits = self._allowed_bits(running, vocab_size)
         return plan
+
+    def _allowed_bits(self, running: np.ndarray, vocab_size: int) -> np.ndarray:
+        """The running constrained slots' next allowed tokens, packed ([B, words], all
+        bits set in the other rows): a constraint's own bitmask when it has one; the bool
+        masks of the others, packed together."""
+        bits = np.full((self.config.max_batch, token_mask_words(vocab_size)), -1, np.int32)
+        masked, masks = [], []
+        for slot in np.flatnonzero(running & self.slot_controls[:, CONSTRAINT]).tolist():
+            constraint = self.slot_requests[slot].params.constraint
+            bitmask = getattr(constraint, "allowed_bitmask", None)
+            if bitmask is not None:
+                words = bitmask(vocab_size)
+                if words is not None:
+                    bits[slot] = words
+            elif (mask := constraint.allowed_tokens(vocab_size)) is not None:
+                masked.append(slot)
+                masks.append(mask)
+        if masked:
+            bits[masked] = pack_token_mask(np.stack(masks))
+        return bits
 
     def slot_of(self, request_id: int) -> int | None:
         """The slot holding ``request_id``, or None."""

@@ -227,9 +227,12 @@ def sample_tokens(
     # The first token whose CDF passes the target has mass, so it is a kept one.
     sampled = paddle.clip(paddle.sum((cdf <= target).astype("int64"), axis=-1),
                           max=probs.shape[1] - 1)  # fmt: skip
-    # Rounding can put a draw within float precision of 1 past the last kept token.
+    # Rounding can put a draw within float precision of 1 past the last kept token,
+    # which is then the one drawn.
     chosen = paddle.take_along_axis(probs, sampled.unsqueeze(1), axis=-1).squeeze(1)
-    sampled = paddle.where(chosen > 0, sampled, paddle.argmax(probs, axis=-1))
+    positions = paddle.arange(1, probs.shape[1] + 1, dtype="int64")
+    last = paddle.max((probs > 0).astype("int64") * positions, axis=-1) - 1
+    sampled = paddle.where(chosen > 0, sampled, paddle.clip(last, min=0))
     return paddle.where(temperature > 0, sampled, greedy)
 
 

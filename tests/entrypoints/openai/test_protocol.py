@@ -69,6 +69,42 @@ def test_batch_prompts(prompt, expected):
     assert CompletionRequest(model="m", prompt=prompt).prompts() == expected
 
 
+FORMS = "a string, a list of strings, a list of token ids or a list of token-id lists"
+ODD_PROMPTS = [
+    (["a", [1, 2]], "a list mixing strings and lists"),
+    ([1, "x"], "a list mixing numbers and strings"),
+    ([[1, "x"]], '"x" at prompt[0][1]'),
+    ([[1], [2, {"a": 1}]], "an object at prompt[1][1]"),
+    ([[1, [2]]], "a list at prompt[0][1]"),
+    ([1.5], "1.5 at prompt[0]"),
+    ([True], "true at prompt[0]"),
+    (None, "null"),
+    ({"a": 1}, "an object"),
+]
+
+
+@pytest.mark.parametrize("prompt,got", ODD_PROMPTS)
+def test_a_prompt_of_no_form_is_refused_naming_the_forms_and_where_it_strays(prompt, got):
+    with pytest.raises(ValidationError) as error:
+        completion(prompt=prompt)
+    [first] = error.value.errors()
+    assert first["loc"] == ("prompt",)
+    assert first["msg"] == f"expected {FORMS}, got {got}"
+
+
+@pytest.mark.parametrize(
+    "prompt,got",
+    [([], "expected at least one prompt, got []"),
+     ("", "expected non-empty strings or token lists, got an empty one"),
+     ([[]], "expected non-empty strings or token lists, got an empty one at prompt[0]"),
+     (["a", ""], "expected non-empty strings or token lists, got an empty one at prompt[1]")],
+)  # fmt: skip
+def test_empty_prompts_are_refused_saying_which(prompt, got):
+    with pytest.raises(ApiError) as error:
+        completion(prompt=prompt).prompts()
+    assert error.value.message == f"'prompt': {got}" and error.value.param == "prompt"
+
+
 BAD_COMPLETIONS = [
     ({"temperature": 2.5}, "temperature"),
     ({"top_p": 0}, "top_p"),

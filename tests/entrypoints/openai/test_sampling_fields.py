@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -226,6 +227,22 @@ def test_n_and_best_of_equal_offline(served, offline):
         temperature=1.0, seed=3, n=2,
     )  # fmt: skip
     assert [c.index for c in chat.choices] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "prompt,message",
+    [(["a", [1, 2]], "got a list mixing strings and lists"),
+     ([[1, "x"]], 'got "x" at prompt[0][1]'),
+     ([[]], "got an empty one at prompt[0]"),
+     ([], "expected at least one prompt, got []")],
+)  # fmt: skip
+def test_a_prompt_of_odd_shape_answers_400_naming_prompt(served, prompt, message):
+    response = httpx.post(f"{served}/v1/completions",
+                          json={"model": MODEL, "prompt": prompt}, timeout=30)  # fmt: skip
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "prompt"
+    assert error["message"].startswith("'prompt': expected ") and message in error["message"]
 
 
 def test_structured_output_100_requests_at_temperature_1(served):

@@ -8,6 +8,7 @@ accepted only when absent or null. Nothing a client sends is silently ignored.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -20,6 +21,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
 )
+from pydantic_core import PydanticCustomError
 
 from ...sampling_params import MAX_LOGPROBS, SamplingParams, TokenConstraint
 
@@ -79,6 +81,55 @@ def _integral(value):
 
 
 Integer = Annotated[StrictInt, BeforeValidator(_integral)]
+
+_PROMPT_FORMS = "a string, a list of strings, a list of token ids or a list of token-id lists"
+
+
+def _json_kind(value) -> str:
+    """What a JSON value is, as a client would name it."""
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    names = {str: "string", list: "list", dict: "object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _shown(value) -> str:
+    """A JSON scalar as JSON writes it; anything else by its kind."""
+    if _json_kind(value) in ("number", "string", "boolean", "null"):
+        return json.dumps(value)
+    kind = _json_kind(value)
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
+
+
+def _is_token_id(value) -> bool:
+    return _json_kind(value) == "number" and float(value).is_integer()
+
+
+def _prompt_form(value):
+    """``prompt`` as sent when it has one of its four forms; otherwise a refusal that says
+    where it strays (the union of the four alone would name whichever form pydantic tried
+    first: ``'prompt.str': Input should be a valid string``)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        got = _shown(value)
+    elif all(isinstance(one, str) for one in value) or all(map(_is_token_id, value)):
+        return value
+    elif len(kinds := list(dict.fromkeys(map(_json_kind, value)))) > 1:
+        got = f"a list mixing {' and '.join(kind + 's' for kind in kinds)}"
+    elif kinds != ["list"]:
+        index = next(i for i, one in enumerate(value) if not _is_token_id(one))
+        got = f"{_shown(value[index])} at prompt[{index}]"
+    else:
+        bad = [(i, j, one) for i, row in enumerate(value) for j, one in enumerate(row)
+               if not _is_token_id(one)]  # fmt: skip
+        if not bad:
+            return value
+        i, j, one = bad[0]
+        got = f"{_shown(one)} at prompt[{i}][{j}]"
+    raise PydanticCustomError("prompt_form", f"expected {_PROMPT_FORMS}, got {{got}}", {"got": got})
 
 
 class _Strict(BaseModel):
@@ -244,7 +295,10 @@ class _RequestFields(_Strict):
 class CompletionRequest(_RequestFields):
     """``POST /v1/completions``: one prompt or a batch (strings or token-id lists)."""
 
-    prompt: StrictStr | list[StrictStr] | list[Integer] | list[list[Integer]]
+    prompt: Annotated[
+        StrictStr | list[StrictStr] | list[Integer] | list[list[Integer]],
+        BeforeValidator(_prompt_form),
+    ]
     echo: StrictBool = False
     logprobs: Integer | None = None
     prompt_logprobs: Integer | None = None  # vLLM's extension
@@ -258,11 +312,12 @@ class CompletionRequest(_RequestFields):
             prompts = [prompt]
         else:
             prompts = list(prompt)
-        if not prompts or any(len(one) == 0 for one in prompts):
-            raise ApiError(
-                "'prompt': expected non-empty strings or token lists, got an empty one",
-                param="prompt",
-            )
+        _refuse_unless(bool(prompts), "prompt", "at least one prompt", prompt)
+        for index, one in enumerate(prompts):
+            if not one:
+                where = "" if prompts[0] is prompt else f" at prompt[{index}]"
+                raise ApiError(f"'prompt': expected non-empty strings or token lists, got an "
+                               f"empty one{where}", param="prompt")  # fmt: skip
         return prompts
 
     def check(self, vocab_size: int) -> None:

@@ -1,0 +1,208 @@
+// cpu_sampling: validation of the CPU sampling step and its split over the
+// CPU product's thread pool, on the product's instruction-set path. The
+// kernel is ops/include/cpu_sampling_kernel.h; Python reaches this through
+// the pybind11 fast path (bindings.cc).
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "cpu_runtime.h"
+#include "cpu_sampling_kernel.h"
+#include "cpu_sampling_ops.h"
+#include "input_checks.h"
+
+namespace paddle_step {
+namespace {
+
+constexpr InputChecker kCheck("cpu_sample");
+
+// Rows per task: a few tasks per thread, so that a thread that gets its core
+// late leaves its rows to the others (cpu_thread_pool.h).
+constexpr int kTasksPerThread = 4;
+// Logits of a batch (rows x vocab) from which its rows run in parallel: about
+// a millisecond of work on one thread.
+constexpr int64_t kParallelLogits = int64_t{1} << 20;
+
+using Optional = paddle::optional<paddle::Tensor>;
+
+// A dense CPU vector [rows] of `dtype`.
+template <typename T>
+const T* Vector(const char* name, const paddle::Tensor& tensor,
+                paddle::DataType dtype, int64_t rows) {
+  const TensorView view = ViewOf(tensor);
+  kCheck.Dtype(name, view, {dtype});
+  kCheck.Shape(name, view, {rows});
+  kCheck.DenseCpu(name, tensor);
+  return tensor.data<T>();
+}
+
+template <typename T>
+const T* Vector(const char* name, const Optional& tensor,
+                paddle::DataType dtype, int64_t rows) {
+  return tensor ? Vector<T>(name, *tensor, dtype, rows) : nullptr;
+}
+
+// A CPU matrix [rows, any] of `dtype` with contiguous rows: its data, width
+// and row stride.
+template <typename T>
+const T* Matrix(const char* name, const paddle::Tensor& tensor,
+                paddle::DataType dtype, int64_t rows, int64_t* width,
+                int64_t* stride) {
+  const TensorView view = ViewOf(tensor);
+  kCheck.Dtype(name, view, {dtype});
+  kCheck.Shape(name, view, {rows, -1});
+  *width = view.dims[1];
+  *stride = kCheck.RowStride(name, tensor);
+  return tensor.data<T>();
+}
+
+// A dense CPU matrix [rows, any] of `dtype`: its data and width.
+template <typename T>
+const T* DenseMatrix(const char* name, const paddle::Tensor& tensor,
+                     paddle::DataType dtype, int64_t rows, int64_t* width) {
+  const TensorView view = ViewOf(tensor);
+  kCheck.Dtype(name, view, {dtype});
+  kCheck.Shape(name, view, {rows, -1});
+  kCheck.DenseCpu(name, tensor);
+  *width = view.dims[1];
+  return tensor.data<T>();
+}
+
+void Requires(const char* name, const Optional& tensor, const char* needed_by) {
+  if (!tensor) {
+    kCheck.Fail(name, std::string("a tensor (") + needed_by + " is given)",
+                "none");
+  }
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> CpuSample(
+    const paddle::Tensor& logits, const paddle::Tensor& temperature,
+    const paddle::Tensor& top_p, const Optional& top_k, const Optional& min_p,
+    const Optional& uniforms, const Optional& allowed_bits,
+    const Optional& stop_ids,
+    const Optional& min_tokens, const Optional& step_idx,
+    const Optional& output_ids, const Optional& bias_ids,
+    const Optional& bias_values, const Optional& presence_penalty,
+    const Optional& frequency_penalty, const Optional& repetition_penalty,
+    const Optional& prompt_ids, int64_t top_logprobs) {
+  using paddle::DataType;
+  const TensorView logits_view = ViewOf(logits);
+  kCheck.Dtype("logits", logits_view, {DataType::FLOAT32});
+  kCheck.Shape("logits", logits_view, {-1, -1});
+  cpu::SamplingBatch b;
+  b.rows = logits_view.dims[0];
+  b.vocab = logits_view.dims[1];
+  if (b.vocab < 1) {
+    kCheck.Fail("logits", "shape [B, V] with V >= 1",
+                "shape " + ShapeString(logits_view.dims, logits_view.rank));
+  }
+  int64_t width = 0;
+  b.logits = Matrix<float>("logits", logits, DataType::FLOAT32, b.rows, &width,
+                           &b.logits_stride);
+  const int64_t rows = b.rows;
+  b.temperature =
+      Vector<float>("temperature", temperature, DataType::FLOAT32, rows);
+  b.top_p = Vector<float>("top_p", top_p, DataType::FLOAT32, rows);
+  b.top_k = Vector<int64_t>("top_k", top_k, DataType::INT64, rows);
+  b.min_p = Vector<float>("min_p", min_p, DataType::FLOAT32, rows);
+  b.uniforms = Vector<double>("uniforms", uniforms, DataType::FLOAT64, rows);
+  if (allowed_bits) {
+    const TensorView view = ViewOf(*allowed_bits);
+    kCheck.Dtype("allowed_bits", view, {DataType::INT32});
+    kCheck.Shape("allowed_bits", view, {rows, (b.vocab + 31) / 32});
+    kCheck.DenseCpu("allowed_bits", *allowed_bits);
+    b.allowed_bits =
+        reinterpret_cast<const uint32_t*>(allowed_bits->data<int32_t>());
+  }
+  if (stop_ids) {
+    Requires("min_tokens", min_tokens, "stop_ids");
+    Requires("step_idx", step_idx, "stop_ids");
+    b.stop_ids = DenseMatrix<int64_t>("stop_ids", *stop_ids, DataType::INT64,
+                                      rows, &b.stop_width);
+    b.min_tokens =
+        Vector<int64_t>("min_tokens", min_tokens, DataType::INT64, rows);
+  }
+  if (output_ids) {
+    Requires("step_idx", step_idx, "output_ids");
+    b.output_ids = DenseMatrix<int64_t>("output_ids", *output_ids,
+                                        DataType::INT64, rows, &b.output_width);
+  }
+  b.step_idx = Vector<int64_t>("step_idx", step_idx, DataType::INT64, rows);
+  if (bias_ids) {
+    Requires("bias_values", bias_values, "bias_ids");
+    b.bias_ids = Matrix<int64_t>("bias_ids", *bias_ids, DataType::INT64, rows,
+                                 &b.bias_width, &b.bias_ids_stride);
+    int64_t values_width = 0;
+    b.bias_values =
+        Matrix<float>("bias_values", *bias_values, DataType::FLOAT32, rows,
+                      &values_width, &b.bias_values_stride);
+    if (values_width != b.bias_width) {
+      kCheck.Fail("bias_values",
+                  "shape [" + std::to_string(rows) + ", " +
+                      std::to_string(b.bias_width) + "] (like bias_ids)",
+                  "shape " + ShapeString({rows, values_width}));
+    }
+  }
+  if (presence_penalty || frequency_penalty) {
+    Requires("presence_penalty", presence_penalty, "frequency_penalty");
+    Requires("frequency_penalty", frequency_penalty, "presence_penalty");
+    Requires("output_ids", output_ids, "a penalty");
+  }
+  b.presence_penalty = Vector<float>("presence_penalty", presence_penalty,
+                                     DataType::FLOAT32, rows);
+  b.frequency_penalty = Vector<float>("frequency_penalty", frequency_penalty,
+                                      DataType::FLOAT32, rows);
+  if (repetition_penalty) Requires("output_ids", output_ids, "a penalty");
+  b.repetition_penalty = Vector<float>("repetition_penalty", repetition_penalty,
+                                       DataType::FLOAT32, rows);
+  if (prompt_ids) {
+    Requires("repetition_penalty", repetition_penalty, "prompt_ids");
+    b.prompt_ids = DenseMatrix<int64_t>("prompt_ids", *prompt_ids,
+                                        DataType::INT64, rows, &b.prompt_width);
+  }
+  if (top_logprobs < -1 || top_logprobs > b.vocab) {
+    kCheck.Fail("top_logprobs",
+                "-1 (no logprobs) or 0 .. " + std::to_string(b.vocab),
+                std::to_string(top_logprobs));
+  }
+  b.top_logprobs = top_logprobs;
+
+  const paddle::Place cpu = paddle::CPUPlace();
+  std::vector<paddle::Tensor> outputs;
+  outputs.push_back(paddle::empty({rows}, DataType::INT64, cpu));
+  b.tokens = outputs[0].data<int64_t>();
+  if (top_logprobs >= 0) {
+    outputs.push_back(paddle::empty({rows}, DataType::FLOAT32, cpu));
+    outputs.push_back(
+        paddle::empty({rows, top_logprobs}, DataType::INT64, cpu));
+    outputs.push_back(
+        paddle::empty({rows, top_logprobs}, DataType::FLOAT32, cpu));
+    b.chosen_logprobs = outputs[1].data<float>();
+    b.top_ids = outputs[2].data<int64_t>();
+    b.top_values = outputs[3].data<float>();
+  }
+  if (rows == 0) return outputs;
+
+  const cpu::Isa isa = CpuActiveIsa();
+  cpu::ThreadPool& pool = CpuThreadPool();
+  // A batch of little work runs on the calling thread alone: a worker that
+  // loses its core mid-task (the machine is shared) would hold the step up
+  // for longer than the split saves.
+  const int tasks =
+      rows * b.vocab < kParallelLogits
+          ? 1
+          : static_cast<int>(std::min<int64_t>(
+                {int64_t{pool.size()} * kTasksPerThread, rows,
+                 cpu::ThreadPool::kMaxTasks}));
+  pool.Run(tasks, [&](int task) {
+    thread_local cpu::sampling::RowScratch scratch;
+    scratch.Reserve(b.vocab);
+    cpu::SampleRows(isa, b, rows * task / tasks, rows * (task + 1) / tasks,
+                    scratch);
+  });
+  return outputs;
+}
+
+}  // namespace paddle_step

@@ -1,0 +1,47 @@
+// The CPU sampling step's entry point on Paddle tensors (ops/cpu_sampling.cc),
+// bound by the pybind11 fast path (bindings.cc). The kernel is
+// ops/include/cpu_sampling_kernel.h, whose header states the semantics.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "paddle/extension.h"
+
+namespace paddle_step {
+
+// One token per row of `logits` float32 [B, V] (rows may be a column slice's:
+// contiguous, any distance apart), under each row's controls; every optional
+// one left none is off for the whole batch:
+//   temperature, top_p float32 [B]; top_k int64 [B]; min_p float32 [B];
+//   uniforms float64 [B] (none: every row greedy);
+//   allowed_bits int32 [B, ceil(V / 32)], bit j of word w allowing token
+//     32 w + j;
+//   stop_ids int64 [B, S] masked while step_idx < min_tokens (int64 [B]);
+//   output_ids int64 [B, L]: row r's generated tokens are columns
+//     1 .. step_idx[r] (int64 [B]), for the penalties;
+//   bias_ids int64 [B, K] and bias_values float32 [B, K] (column slices fine);
+//   presence_penalty and frequency_penalty float32 [B] (both or neither);
+//   repetition_penalty float32 [B], over output_ids and prompt_ids int64
+//     [B, P] (each row's prompt, up to its first -1 pad).
+// Returns {tokens int64 [B]}, and with top_logprobs >= 0 also the raw
+// logits' logprobs: {chosen float32 [B], top_ids int64 [B, N], top_values
+// float32 [B, N]} (N = top_logprobs <= V).
+std::vector<paddle::Tensor> CpuSample(
+    const paddle::Tensor& logits, const paddle::Tensor& temperature,
+    const paddle::Tensor& top_p, const paddle::optional<paddle::Tensor>& top_k,
+    const paddle::optional<paddle::Tensor>& min_p,
+    const paddle::optional<paddle::Tensor>& uniforms,
+    const paddle::optional<paddle::Tensor>& allowed_bits,
+    const paddle::optional<paddle::Tensor>& stop_ids,
+    const paddle::optional<paddle::Tensor>& min_tokens,
+    const paddle::optional<paddle::Tensor>& step_idx,
+    const paddle::optional<paddle::Tensor>& output_ids,
+    const paddle::optional<paddle::Tensor>& bias_ids,
+    const paddle::optional<paddle::Tensor>& bias_values,
+    const paddle::optional<paddle::Tensor>& presence_penalty,
+    const paddle::optional<paddle::Tensor>& frequency_penalty,
+    const paddle::optional<paddle::Tensor>& repetition_penalty,
+    const paddle::optional<paddle::Tensor>& prompt_ids, int64_t top_logprobs);
+
+}  // namespace paddle_step
