@@ -148,14 +148,6 @@ def format_case(index, weight_format, group_size, isa):
     return packed_case(index, weight_format, group_size), reference_and_bound(x, weights, bias)
 
 
-@pytest.fixture(params=ISA_PATHS)
-def isa_path(request):
-    if not runs_here(request.param):
-        pytest.skip(f"this CPU runs up to {cpu_linear.best_isa()}, not {request.param}")
-    with on_isa(request.param):
-        yield request.param
-
-
 @pytest.mark.parametrize("weight_format, group_size", FORMATS)
 def test_products_match_float64_reference(isa_path, weight_format, group_size):
     for index, (m, _, n) in enumerate(SHAPES):
