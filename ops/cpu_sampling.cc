@@ -19,9 +19,6 @@ constexpr InputChecker kCheck("cpu_sample");
 // Rows per task: a few tasks per thread, so that a thread that gets its core
 // late leaves its rows to the others (cpu_thread_pool.h).
 constexpr int kTasksPerThread = 4;
-// Logits of a batch (rows x vocab) from which its rows run in parallel: about
-// a millisecond of work on one thread.
-constexpr int64_t kParallelLogits = int64_t{1} << 20;
 
 using Optional = paddle::optional<paddle::Tensor>;
 
@@ -187,15 +184,11 @@ std::vector<paddle::Tensor> CpuSample(
 
   const cpu::Isa isa = CpuActiveIsa();
   cpu::ThreadPool& pool = CpuThreadPool();
-  // A batch of little work runs on the calling thread alone: a worker that
-  // loses its core mid-task (the machine is shared) would hold the step up
-  // for longer than the split saves.
-  const int tasks =
-      rows * b.vocab < kParallelLogits
-          ? 1
-          : static_cast<int>(std::min<int64_t>(
-                {int64_t{pool.size()} * kTasksPerThread, rows,
-                 cpu::ThreadPool::kMaxTasks}));
+  // Rows run in parallel on the CPU kernels' pool, as the products do: tasks
+  // are claimed one at a time, so a worker that starts late leaves its rows to
+  // the others.
+  const int tasks = static_cast<int>(std::min<int64_t>(
+      {int64_t{pool.size()} * kTasksPerThread, rows, cpu::ThreadPool::kMaxTasks}));
   pool.Run(tasks, [&](int task) {
     thread_local cpu::sampling::RowScratch scratch;
     scratch.Reserve(b.vocab);

@@ -280,9 +280,8 @@ def test_logprobs_equal_the_paddle_path_and_sampling_is_unchanged_by_them():
     np.testing.assert_allclose(values.numpy(), p_values.numpy(), rtol=2e-6, atol=2e-6)
 
 
-def test_a_batch_big_enough_to_split_over_threads_equals_the_reference():
-    """rows x vocab >= 2**20 logits run in parallel on the CPU kernels' threads (smaller
-    batches on the calling thread alone)."""
+def test_rows_split_over_threads_equal_the_reference():
+    """Rows run in parallel on the CPU kernels' threads: a large batch over 3 threads."""
     batch = Batch(rows=520, vocab=2053, uses=set(CONTROLS), seed=12)
     threads = cpu_linear.num_threads()
     try:
