@@ -203,6 +203,13 @@ def build_flat_batch(
     the small per-row vectors (a few microseconds, against some twenty Paddle ops on
     [B, width]); ``on_host`` forces either way (the tests compare them).
     """
+    batch = input_ids.shape[0]
+    sizes = (seq_lens_this_time.size, seq_lens_decoder.size, block_tables.shape[0])
+    if any(size != batch for size in sizes):
+        raise ValueError(
+            "input_ids, seq_lens_this_time, seq_lens_decoder and block_tables must have the "
+            f"same batch size, got {batch}, {sizes[0]}, {sizes[1]} and {sizes[2]}"
+        )
     if on_host is None:
         on_host = input_ids.place.is_cpu_place()
     if on_host:
@@ -212,12 +219,6 @@ def build_flat_batch(
     batch, width = input_ids.shape
     lens = seq_lens_this_time.reshape([-1]).astype("int64")
     starts = seq_lens_decoder.reshape([-1]).astype("int64")
-    if lens.shape[0] != batch or starts.shape[0] != batch or block_tables.shape[0] != batch:
-        raise ValueError(
-            "input_ids, seq_lens_this_time, seq_lens_decoder and block_tables must have the "
-            f"same batch size, got {batch}, {lens.shape[0]}, {starts.shape[0]} and "
-            f"{block_tables.shape[0]}"
-        )
     columns = paddle.arange(width, dtype="int64").unsqueeze(0).expand([batch, width])
     rows = paddle.arange(batch, dtype="int64").unsqueeze(1).expand([batch, width])
     is_token = columns < lens.unsqueeze(1)
@@ -254,12 +255,6 @@ def _flat_batch_on_host(
     batch, width = input_ids.shape
     lens = seq_lens_this_time.numpy().reshape(-1).astype(np.int64)
     starts = seq_lens_decoder.numpy().reshape(-1).astype(np.int64)
-    if lens.shape[0] != batch or starts.shape[0] != batch or block_tables.shape[0] != batch:
-        raise ValueError(
-            "input_ids, seq_lens_this_time, seq_lens_decoder and block_tables must have the "
-            f"same batch size, got {batch}, {lens.shape[0]}, {starts.shape[0]} and "
-            f"{block_tables.shape[0]}"
-        )
     lens = np.clip(lens, 0, width)  # as the [B, width] mask of the Paddle path
     token_rows = np.repeat(np.arange(batch, dtype=np.int64), lens)
     if token_rows.size == 0:

@@ -222,40 +222,41 @@ class DecoderLayer(nn.Layer):
         self,
         x: paddle.Tensor,
         rope: tuple[paddle.Tensor, paddle.Tensor],
-        kv_cache: PagedKVCache,
         index: int,
-        batch: DecodeBatch,
-        isa: str = "",
+        step: DecodeStep,
     ) -> paddle.Tensor:
         """``forward`` over decode tokens only, as one call of our CPU op (which writes
-        their K/V into layer ``index`` of ``kv_cache`` and attends through their block-table
-        rows): for a float32 cache with ``uses_cpu_ops`` and blocks that
-        ``fuse_layers``. ``isa``: the op's path for the products ("": the process's)."""
+        their K/V into layer ``index`` of ``step.kv_cache`` and attends through their
+        block-table rows): for a float32 cache with ``uses_cpu_ops`` and blocks that
+        ``fuse_layers``."""
         w_qkv, qkv_bias, w_o, w_gate_up, w_down = self._dense_weights()
         cfg = self.config
 
         def product(weight: DenseWeight, bias: paddle.Tensor | None = None) -> tuple:
             packed = weight.packed
-            return (packed.weights, packed.scales, bias, packed.n, packed.group_size, isa)
+            return (packed.weights, packed.scales, bias, packed.n, packed.group_size, step.isa)
 
         cos, sin = rope
         return paddle_step_ops.cpu_decoder_layer(
             x, self.attn_norm.weight, product(w_qkv, qkv_bias), product(w_o, self.o_bias),
             self.mlp_norm.weight, product(w_gate_up), product(w_down), cfg.num_heads,
             cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps, cos.reshape([-1, cfg.head_dim]),
-            sin.reshape([-1, cfg.head_dim]), kv_cache.key, kv_cache.value, index,
-            batch.slots, batch.block_tables, batch.rows, batch.positions, kv_cache.block_size,
+            sin.reshape([-1, cfg.head_dim]), step.kv_cache.key, step.kv_cache.value, index,
+            step.slots, step.block_tables, step.rows, step.positions, step.kv_cache.block_size,
         )  # fmt: skip
 
 
-class DecodeBatch(NamedTuple):
-    """A step of decode tokens only, for ``DecoderLayer.forward_decode``: each token's
-    cache slot, block-table row and position ([T] int64), and the block tables."""
+class DecodeStep(NamedTuple):
+    """A step of decode tokens only, for ``DecoderLayer.forward_decode``: the cache, each
+    token's cache slot, block-table row and position ([T] int64), the block tables, and
+    the op's path for the products ("": the process's)."""
 
+    kv_cache: PagedKVCache
     slots: paddle.Tensor
     block_tables: paddle.Tensor
     rows: paddle.Tensor
     positions: paddle.Tensor
+    isa: str
 
 
 class LlamaForCausalLM(nn.Layer):
@@ -376,12 +377,11 @@ class LlamaForCausalLM(nn.Layer):
         input_ids: paddle.Tensor,
         positions: paddle.Tensor,
         attend_for_layer: Callable[[int], AttendFn] | None,
-        decode: tuple[PagedKVCache, DecodeBatch, str] | None = None,
+        decode: DecodeStep | None = None,
     ) -> paddle.Tensor:
         """Hidden states [T, hidden] of the tokens ``input_ids`` [T], before the final norm
-        (``_logits`` applies it, to the rows it needs). With ``decode`` (a cache, a step of
-        decode tokens only and the op's path for their products), each layer runs as
-        ``DecoderLayer.forward_decode``."""
+        (``_logits`` applies it, to the rows it needs). With ``decode`` (a step of decode
+        tokens only), each layer runs as ``DecoderLayer.forward_decode``."""
         if self._embedding is None:
             x = paddle.gather(self.embed, input_ids)
         else:
@@ -389,7 +389,7 @@ class LlamaForCausalLM(nn.Layer):
         rope = self._rope(positions)
         for index, layer in enumerate(self.layers):
             if decode is not None:
-                x = layer.forward_decode(x, rope, decode[0], index, decode[1], decode[2])
+                x = layer.forward_decode(x, rope, index, decode)
             else:
                 x = layer(x, rope, attend_for_layer(index))
         return x
@@ -539,8 +539,8 @@ class LlamaForCausalLM(nn.Layer):
             and self.config.dtype == "float32"
             and self.blocks.fuse_layers(tokens)
         ):
-            batch = DecodeBatch(slot_mapping, block_tables, token_rows, positions)
-            decode = (kv_cache, batch, self.blocks.op_path(tokens))
+            decode = DecodeStep(kv_cache, slot_mapping, block_tables, token_rows, positions,
+                                self.blocks.op_path(tokens))  # fmt: skip
             hidden = self._run_layers(input_ids, positions, None, decode)
             return self._logits_of(hidden, last_token_index, extra_index)
         kept_slots = KeptSlots(slot_mapping)
