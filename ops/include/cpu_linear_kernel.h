@@ -179,6 +179,11 @@ struct PackedWeights {
   const void* data = nullptr;     // the panels
   const float* scales = nullptr;  // int8 only
   int64_t group_size = 0;         // int8 only
+  // Panel `panel`'s elements, of the format's storage type T.
+  template <typename T>
+  const T* Panel(int64_t panel) const {
+    return static_cast<const T*>(data) + panel * PanelElements(format, k);
+  }
 };
 
 struct LinearProblem {
@@ -195,6 +200,14 @@ struct LinearProblem {
   const uint32_t* x_words = nullptr;
   int64_t x_words_stride = 0;
   const float* x_scales = nullptr;  // [m], uint8 quads only
+};
+
+// The rows of x a tile of a product multiplies: [row, row + its rows).
+struct TileRows {
+  TileRows(const LinearProblem& p, int64_t row)
+      : x(p.x + row * p.x_stride), x_stride(p.x_stride) {}
+  const float* x;  // the tile's first row
+  int64_t x_stride;
 };
 
 // The form of x a product multiplies (ActivationFormOf).
@@ -224,17 +237,12 @@ inline void PanelRows(const LinearProblem& p, int64_t panel, int64_t row,
       for (int64_t c = 0; c < kPanelWidth; ++c) {
         float weight;
         if (w.format == WeightFormat::kFloat32) {
-          weight = static_cast<const float*>(w.data)
-              [(panel * w.k + kk) * kPanelWidth + c];
+          weight = w.Panel<float>(panel)[kk * kPanelWidth + c];
         } else if (w.format == WeightFormat::kBFloat16) {
-          const uint16_t* panel_data =
-              static_cast<const uint16_t*>(w.data) +
-              panel * PanelElements(WeightFormat::kBFloat16, w.k);
-          weight = FloatFromBFloat16(
-              panel_data[(kk / 2) * 2 * kPanelWidth + 2 * c + kk % 2]);
+          weight = FloatFromBFloat16(w.Panel<uint16_t>(
+              panel)[(kk / 2) * 2 * kPanelWidth + 2 * c + kk % 2]);
         } else {
-          const int8_t q = static_cast<const int8_t*>(
-              w.data)[(panel * w.k + kk) * kPanelWidth + c];
+          const int8_t q = w.Panel<int8_t>(panel)[kk * kPanelWidth + c];
           const float scale =
               w.scales[(panel * groups + kk / w.group_size) * kPanelWidth + c];
           weight = static_cast<float>(q) * scale;
@@ -307,11 +315,13 @@ PADDLE_STEP_INLINE void PrefetchAhead(const void* at) {
   _mm_prefetch(static_cast<const char*>(at) + kPrefetchBytes, _MM_HINT_T0);
 }
 
+// The sums of a tile: its kTileRows rows of x times one panel.
 template <int kTileRows>
-struct Accumulators {
+struct Accumulators : TileRows {
   __m512 sum[kTileRows][2];
 
-  PADDLE_STEP_INLINE Accumulators() {
+  PADDLE_STEP_INLINE Accumulators(const LinearProblem& p, int64_t row)
+      : TileRows(p, row) {
 #pragma GCC unroll 16
     for (int r = 0; r < kTileRows; ++r) {
       sum[r][0] = _mm512_setzero_ps();
@@ -320,8 +330,7 @@ struct Accumulators {
   }
 
   // sum[r] += x[r][kk] * (w0, w1) for every row of the tile.
-  PADDLE_STEP_INLINE void Add(const float* x, int64_t x_stride, int64_t kk,
-                              __m512 w0, __m512 w1) {
+  PADDLE_STEP_INLINE void Add(int64_t kk, __m512 w0, __m512 w1) {
 #pragma GCC unroll 16
     for (int r = 0; r < kTileRows; ++r) {
       const __m512 xv = _mm512_set1_ps(x[r * x_stride + kk]);
@@ -330,8 +339,15 @@ struct Accumulators {
     }
   }
 
-  PADDLE_STEP_INLINE void Store(float* y, int64_t y_stride, const float* bias,
-                                int64_t width) {
+  // Writes the tile: rows [row, row + kTileRows) of y, the panel's columns
+  // (those below n), plus the bias.
+  PADDLE_STEP_INLINE void Store(const LinearProblem& p, int64_t panel,
+                                int64_t row) {
+    const int64_t first = panel * kPanelWidth;
+    float* y = p.y + row * p.y_stride + first;
+    const float* bias = p.bias ? p.bias + first : nullptr;
+    const int64_t width = std::min(kPanelWidth, p.w.n - first);
+    const int64_t y_stride = p.y_stride;
     const __mmask16 low = static_cast<__mmask16>(
         width >= 16 ? 0xFFFF : (1u << width) - 1);
     const __mmask16 high = static_cast<__mmask16>(
@@ -359,19 +375,15 @@ struct Accumulators {
 template <int kTileRows>
 void TileFloat32(const LinearProblem& p, int64_t panel, int64_t row) {
   const int64_t k = p.w.k;
-  const float* w = static_cast<const float*>(p.w.data) +
-                   panel * PanelElements(WeightFormat::kFloat32, k);
-  const float* x = p.x + row * p.x_stride;
-  Accumulators<kTileRows> acc;
+  const float* w = p.w.Panel<float>(panel);
+  Accumulators<kTileRows> acc(p, row);
   for (int64_t kk = 0; kk < k; ++kk) {
     PrefetchAhead(w + kk * kPanelWidth);
     PrefetchAhead(w + kk * kPanelWidth + 16);
-    acc.Add(x, p.x_stride, kk, _mm512_loadu_ps(w + kk * kPanelWidth),
+    acc.Add(kk, _mm512_loadu_ps(w + kk * kPanelWidth),
             _mm512_loadu_ps(w + kk * kPanelWidth + 16));
   }
-  const int64_t first = panel * kPanelWidth;
-  acc.Store(p.y + row * p.y_stride + first, p.y_stride,
-            p.bias ? p.bias + first : nullptr, std::min(kPanelWidth, p.w.n - first));
+  acc.Store(p, panel, row);
 }
 
 // A pair row (k = 2s, 2s+1) of a bfloat16 panel widened to float32: the low
@@ -387,10 +399,8 @@ PADDLE_STEP_INLINE __m512 OddRow(__m512i pairs) {
 template <int kTileRows>
 void TileBFloat16(const LinearProblem& p, int64_t panel, int64_t row) {
   const int64_t k = p.w.k;
-  const uint16_t* w = static_cast<const uint16_t*>(p.w.data) +
-                      panel * PanelElements(WeightFormat::kBFloat16, k);
-  const float* x = p.x + row * p.x_stride;
-  Accumulators<kTileRows> acc;
+  const uint16_t* w = p.w.Panel<uint16_t>(panel);
+  Accumulators<kTileRows> acc(p, row);
   const int64_t full_pairs = k / 2;
   for (int64_t s = 0; s < full_pairs; ++s) {
     const uint16_t* pair_row = w + s * 2 * kPanelWidth;
@@ -398,17 +408,15 @@ void TileBFloat16(const LinearProblem& p, int64_t panel, int64_t row) {
     PrefetchAhead(pair_row + 32);
     const __m512i low = _mm512_loadu_si512(pair_row);
     const __m512i high = _mm512_loadu_si512(pair_row + 32);
-    acc.Add(x, p.x_stride, 2 * s, EvenRow(low), EvenRow(high));
-    acc.Add(x, p.x_stride, 2 * s + 1, OddRow(low), OddRow(high));
+    acc.Add(2 * s, EvenRow(low), EvenRow(high));
+    acc.Add(2 * s + 1, OddRow(low), OddRow(high));
   }
   if (k % 2) {  // the last row alone: its pair is padding, x has no column k
     const uint16_t* pair_row = w + full_pairs * 2 * kPanelWidth;
-    acc.Add(x, p.x_stride, k - 1, EvenRow(_mm512_loadu_si512(pair_row)),
+    acc.Add(k - 1, EvenRow(_mm512_loadu_si512(pair_row)),
             EvenRow(_mm512_loadu_si512(pair_row + 32)));
   }
-  const int64_t first = panel * kPanelWidth;
-  acc.Store(p.y + row * p.y_stride + first, p.y_stride,
-            p.bias ? p.bias + first : nullptr, std::min(kPanelWidth, p.w.n - first));
+  acc.Store(p, panel, row);
 }
 
 // 16 int8 weights as float32 (exact): the scales multiply sums, not weights.
@@ -419,12 +427,11 @@ PADDLE_STEP_INLINE __m512 Int8Values(const int8_t* q) {
 
 // acc += x[:, kk] * q[kk] for the rows [begin, end) of K of an int8 panel.
 template <int kTileRows>
-PADDLE_STEP_INLINE void AddInt8Rows(const int8_t* w, const float* x,
-                                    int64_t x_stride, int64_t begin,
+PADDLE_STEP_INLINE void AddInt8Rows(const int8_t* w, int64_t begin,
                                     int64_t end, Accumulators<kTileRows>& acc) {
   for (int64_t kk = begin; kk < end; ++kk) {
     if (kk % 2 == 0) PrefetchAhead(w + kk * kPanelWidth);
-    acc.Add(x, x_stride, kk, Int8Values(w + kk * kPanelWidth),
+    acc.Add(kk, Int8Values(w + kk * kPanelWidth),
             Int8Values(w + kk * kPanelWidth + 16));
   }
 }
@@ -433,11 +440,10 @@ PADDLE_STEP_INLINE void AddInt8Rows(const int8_t* w, const float* x,
 template <int kTileRows>
 void TileInt8(const LinearProblem& p, int64_t panel, int64_t row) {
   const int64_t k = p.w.k;
-  const int8_t* w = static_cast<const int8_t*>(p.w.data) +
-                    panel * PanelElements(WeightFormat::kInt8, k);
+  const int8_t* w = p.w.Panel<int8_t>(panel);
   const float* scales = p.w.scales + panel * kPanelWidth;
-  Accumulators<kTileRows> acc;
-  AddInt8Rows(w, p.x + row * p.x_stride, p.x_stride, 0, k, acc);
+  Accumulators<kTileRows> acc(p, row);
+  AddInt8Rows(w, 0, k, acc);
   const __m512 s0 = _mm512_loadu_ps(scales);
   const __m512 s1 = _mm512_loadu_ps(scales + 16);
 #pragma GCC unroll 16
@@ -445,9 +451,7 @@ void TileInt8(const LinearProblem& p, int64_t panel, int64_t row) {
     acc.sum[r][0] = _mm512_mul_ps(acc.sum[r][0], s0);
     acc.sum[r][1] = _mm512_mul_ps(acc.sum[r][1], s1);
   }
-  const int64_t first = panel * kPanelWidth;
-  acc.Store(p.y + row * p.y_stride + first, p.y_stride,
-            p.bias ? p.bias + first : nullptr, std::min(kPanelWidth, p.w.n - first));
+  acc.Store(p, panel, row);
 }
 
 // Groups along K: each group's sums times its scale, added to the total. Twice
@@ -459,15 +463,12 @@ void TileInt8Grouped(const LinearProblem& p, int64_t panel, int64_t row) {
   const int64_t k = p.w.k;
   const int64_t group_size = p.w.group_size;
   const int64_t groups = GroupCount(k, group_size);
-  const int8_t* w = static_cast<const int8_t*>(p.w.data) +
-                    panel * PanelElements(WeightFormat::kInt8, k);
+  const int8_t* w = p.w.Panel<int8_t>(panel);
   const float* scales = p.w.scales + panel * groups * kPanelWidth;
-  const float* x = p.x + row * p.x_stride;
-  Accumulators<kTileRows> total;
+  Accumulators<kTileRows> total(p, row);
   for (int64_t g = 0; g < groups; ++g) {
-    Accumulators<kTileRows> part;
-    AddInt8Rows(w, x, p.x_stride, g * group_size,
-                std::min(k, (g + 1) * group_size), part);
+    Accumulators<kTileRows> part(p, row);
+    AddInt8Rows(w, g * group_size, std::min(k, (g + 1) * group_size), part);
     const __m512 s0 = _mm512_loadu_ps(scales + g * kPanelWidth);
     const __m512 s1 = _mm512_loadu_ps(scales + g * kPanelWidth + 16);
 #pragma GCC unroll 16
@@ -476,10 +477,7 @@ void TileInt8Grouped(const LinearProblem& p, int64_t panel, int64_t row) {
       total.sum[r][1] = _mm512_fmadd_ps(part.sum[r][1], s1, total.sum[r][1]);
     }
   }
-  const int64_t first = panel * kPanelWidth;
-  total.Store(p.y + row * p.y_stride + first, p.y_stride,
-              p.bias ? p.bias + first : nullptr,
-              std::min(kPanelWidth, p.w.n - first));
+  total.Store(p, panel, row);
 }
 
 using TileFunction = void (*)(const LinearProblem&, int64_t, int64_t);
@@ -571,11 +569,10 @@ inline void RoundRows(const float* x, int64_t m, int64_t k, int64_t x_stride,
 template <int kTileRows>
 void TileBFloat16(const LinearProblem& p, int64_t panel, int64_t row) {
   const int64_t pairs = PanelRows(WeightFormat::kBFloat16, p.w.k);
-  const __m512i* w = reinterpret_cast<const __m512i*>(
-      static_cast<const uint16_t*>(p.w.data) +
-      panel * PanelElements(WeightFormat::kBFloat16, p.w.k));
+  const __m512i* w =
+      reinterpret_cast<const __m512i*>(p.w.Panel<uint16_t>(panel));
   const uint32_t* x = p.x_words + row * p.x_words_stride;
-  avx512_path::Accumulators<kTileRows> acc;
+  avx512_path::Accumulators<kTileRows> acc(p, row);
   for (int64_t s = 0; s < pairs; ++s) {
     avx512_path::PrefetchAhead(w + 2 * s);
     avx512_path::PrefetchAhead(w + 2 * s + 1);
@@ -590,10 +587,7 @@ void TileBFloat16(const LinearProblem& p, int64_t panel, int64_t row) {
       acc.sum[r][1] = _mm512_dpbf16_ps(acc.sum[r][1], xv, w1);
     }
   }
-  const int64_t first = panel * kPanelWidth;
-  acc.Store(p.y + row * p.y_stride + first, p.y_stride,
-            p.bias ? p.bias + first : nullptr,
-            std::min(kPanelWidth, p.w.n - first));
+  acc.Store(p, panel, row);
 }
 
 using TileFunction = void (*)(const LinearProblem&, int64_t, int64_t);
@@ -676,8 +670,7 @@ constexpr int kInt8Rows = 8;
 template <int kTileRows>
 void TileInt8(const LinearProblem& p, int64_t panel, int64_t row) {
   const int64_t k = p.w.k;
-  const int8_t* w = static_cast<const int8_t*>(p.w.data) +
-                    panel * PanelElements(WeightFormat::kInt8, k);
+  const int8_t* w = p.w.Panel<int8_t>(panel);
   const uint32_t* x = p.x_words + row * p.x_words_stride;
   __m512i sum[kTileRows][2];
 #pragma GCC unroll 16
@@ -717,7 +710,7 @@ void TileInt8(const LinearProblem& p, int64_t panel, int64_t row) {
   const float* scales = p.w.scales + panel * kPanelWidth;
   const __m512 s0 = _mm512_loadu_ps(scales);
   const __m512 s1 = _mm512_loadu_ps(scales + 16);
-  avx512_path::Accumulators<kTileRows> acc;
+  avx512_path::Accumulators<kTileRows> acc(p, row);
 #pragma GCC unroll 16
   for (int r = 0; r < kTileRows; ++r) {
     __m512i first, second;
@@ -727,10 +720,7 @@ void TileInt8(const LinearProblem& p, int64_t panel, int64_t row) {
     acc.sum[r][0] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(first), x_scale), s0);
     acc.sum[r][1] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(second), x_scale), s1);
   }
-  const int64_t first = panel * kPanelWidth;
-  acc.Store(p.y + row * p.y_stride + first, p.y_stride,
-            p.bias ? p.bias + first : nullptr,
-            std::min(kPanelWidth, p.w.n - first));
+  acc.Store(p, panel, row);
 }
 
 inline const TileFunction* TileInt8Table() {
@@ -766,11 +756,14 @@ namespace avx2_path {
 constexpr int kWideRows = 2;    // tiles of 4 vectors: up to 2 rows
 constexpr int kNarrowRows = 6;  // tiles of 2 vectors: up to 6 rows
 
+// The sums of a tile: its kTileRows rows of x times kVectors vectors of one
+// panel.
 template <int kTileRows, int kVectors>
-struct Accumulators {
+struct Accumulators : TileRows {
   __m256 sum[kTileRows][kVectors];
 
-  PADDLE_STEP_INLINE Accumulators() {
+  PADDLE_STEP_INLINE Accumulators(const LinearProblem& p, int64_t row)
+      : TileRows(p, row) {
 #pragma GCC unroll 16
     for (int r = 0; r < kTileRows; ++r) {
 #pragma GCC unroll 4
@@ -778,8 +771,8 @@ struct Accumulators {
     }
   }
 
-  PADDLE_STEP_INLINE void Add(const float* x, int64_t x_stride, int64_t kk,
-                              const __m256 (&w)[kVectors]) {
+  // sum[r] += x[r][kk] * w for every row of the tile.
+  PADDLE_STEP_INLINE void Add(int64_t kk, const __m256 (&w)[kVectors]) {
 #pragma GCC unroll 16
     for (int r = 0; r < kTileRows; ++r) {
       const __m256 xv = _mm256_broadcast_ss(x + r * x_stride + kk);
@@ -790,54 +783,46 @@ struct Accumulators {
     }
   }
 
-  // y, bias: at the tile's first column; width: the real columns from there.
-  PADDLE_STEP_INLINE void Store(float* y, int64_t y_stride, const float* bias,
-                                int64_t width) {
+  // Writes the tile: rows [row, row + kTileRows) of y, the panel's columns
+  // [column, column + 8 * kVectors) (those below n), plus the bias.
+  PADDLE_STEP_INLINE void Store(const LinearProblem& p, int64_t panel,
+                                int64_t row, int64_t column) {
+    const int64_t first = panel * kPanelWidth + column;
+    float* y = p.y + row * p.y_stride + first;
+    const float* bias = p.bias ? p.bias + first : nullptr;
+    const int64_t width = std::min<int64_t>(8 * kVectors, p.w.n - first);
+    const int64_t y_stride = p.y_stride;
     // Unrolled, so that sum is indexed by constants only: a runtime index
     // would keep the accumulators in memory, stored on every step of K.
 #pragma GCC unroll 16
     for (int r = 0; r < kTileRows; ++r) {
-      float row[8 * kVectors];
+      float values[8 * kVectors];
 #pragma GCC unroll 4
       for (int v = 0; v < kVectors; ++v) {
-        _mm256_storeu_ps(row + 8 * v, sum[r][v]);
+        _mm256_storeu_ps(values + 8 * v, sum[r][v]);
       }
       float* out = y + r * y_stride;
       for (int64_t c = 0; c < width; ++c) {
-        out[c] = bias ? row[c] + bias[c] : row[c];
+        out[c] = bias ? values[c] + bias[c] : values[c];
       }
     }
   }
 };
 
-// Writes the tile of rows [row, row + kTileRows) and panel columns
-// [column, column + 8 * kVectors).
-template <int kTileRows, int kVectors>
-PADDLE_STEP_INLINE void StoreTile(const LinearProblem& p, int64_t panel,
-                                  int64_t row, int64_t column,
-                                  Accumulators<kTileRows, kVectors>& acc) {
-  const int64_t first = panel * kPanelWidth + column;
-  acc.Store(p.y + row * p.y_stride + first, p.y_stride,
-            p.bias ? p.bias + first : nullptr,
-            std::min<int64_t>(8 * kVectors, p.w.n - first));
-}
-
 template <int kTileRows, int kVectors>
 void TileFloat32(const LinearProblem& p, int64_t panel, int64_t row,
                  int64_t column) {
   const int64_t k = p.w.k;
-  const float* w = static_cast<const float*>(p.w.data) +
-                   panel * PanelElements(WeightFormat::kFloat32, k) + column;
-  const float* x = p.x + row * p.x_stride;
-  Accumulators<kTileRows, kVectors> acc;
+  const float* w = p.w.Panel<float>(panel) + column;
+  Accumulators<kTileRows, kVectors> acc(p, row);
   for (int64_t kk = 0; kk < k; ++kk) {
     const float* in = w + kk * kPanelWidth;
     __m256 v[kVectors];
 #pragma GCC unroll 4
     for (int i = 0; i < kVectors; ++i) v[i] = _mm256_loadu_ps(in + 8 * i);
-    acc.Add(x, p.x_stride, kk, v);
+    acc.Add(kk, v);
   }
-  StoreTile(p, panel, row, column, acc);
+  acc.Store(p, panel, row, column);
 }
 
 PADDLE_STEP_INLINE __m256 EvenRow(__m256i pairs) {
@@ -853,11 +838,8 @@ void TileBFloat16(const LinearProblem& p, int64_t panel, int64_t row,
                   int64_t column) {
   const int64_t k = p.w.k;
   // A pair row holds 2 values per column: column c starts at element 2c.
-  const uint16_t* w = static_cast<const uint16_t*>(p.w.data) +
-                      panel * PanelElements(WeightFormat::kBFloat16, k) +
-                      2 * column;
-  const float* x = p.x + row * p.x_stride;
-  Accumulators<kTileRows, kVectors> acc;
+  const uint16_t* w = p.w.Panel<uint16_t>(panel) + 2 * column;
+  Accumulators<kTileRows, kVectors> acc(p, row);
   const int64_t pairs = PanelRows(WeightFormat::kBFloat16, k);
   for (int64_t s = 0; s < pairs; ++s) {
     const __m256i* in =
@@ -869,15 +851,15 @@ void TileBFloat16(const LinearProblem& p, int64_t panel, int64_t row,
       q[i] = _mm256_loadu_si256(in + i);
       even[i] = EvenRow(q[i]);
     }
-    acc.Add(x, p.x_stride, 2 * s, even);
+    acc.Add(2 * s, even);
     if (2 * s + 1 < k) {  // else padding, and x has no column k
       __m256 odd[kVectors];
 #pragma GCC unroll 4
       for (int i = 0; i < kVectors; ++i) odd[i] = OddRow(q[i]);
-      acc.Add(x, p.x_stride, 2 * s + 1, odd);
+      acc.Add(2 * s + 1, odd);
     }
   }
-  StoreTile(p, panel, row, column, acc);
+  acc.Store(p, panel, row, column);
 }
 
 // 8 int8 weights as float32 (exact).
@@ -895,11 +877,9 @@ void TileInt8(const LinearProblem& p, int64_t panel, int64_t row,
   const int64_t k = p.w.k;
   const int64_t group_size = p.w.group_size;
   const int64_t groups = GroupCount(k, group_size);
-  const int8_t* w = static_cast<const int8_t*>(p.w.data) +
-                    panel * PanelElements(WeightFormat::kInt8, k) + column;
+  const int8_t* w = p.w.Panel<int8_t>(panel) + column;
   const float* scales = p.w.scales + panel * groups * kPanelWidth + column;
-  const float* x = p.x + row * p.x_stride;
-  Accumulators<kTileRows, kVectors> acc;
+  Accumulators<kTileRows, kVectors> acc(p, row);
   for (int64_t g = 0; g < groups; ++g) {
     __m256 scale[kVectors];
 #pragma GCC unroll 4
@@ -915,7 +895,7 @@ void TileInt8(const LinearProblem& p, int64_t panel, int64_t row,
         v[i] = groups == 1 ? Int8Values(in + 8 * i)
                            : _mm256_mul_ps(Int8Values(in + 8 * i), scale[i]);
       }
-      acc.Add(x, p.x_stride, kk, v);
+      acc.Add(kk, v);
     }
     if (groups == 1) {
 #pragma GCC unroll 16
@@ -927,7 +907,7 @@ void TileInt8(const LinearProblem& p, int64_t panel, int64_t row,
       }
     }
   }
-  StoreTile(p, panel, row, column, acc);
+  acc.Store(p, panel, row, column);
 }
 
 using TileFunction = void (*)(const LinearProblem&, int64_t, int64_t, int64_t);
