@@ -66,6 +66,13 @@ def expect_preempted(expected, victims):
     expected["step_lens"][0] = len(victims)
 
 
+def expect_dispatched(expected, slot, column, block):
+    """``slot`` takes ``block`` from the pool into table column ``column``, counted in its
+    used_list_len. The pool's length is the caller's to set."""
+    expected["block_tables"][slot, column] = block
+    expected["used_list_len"][slot] += 1
+
+
 # ---- Phase 1: Free. --------------------------------------------------------------
 
 
@@ -144,9 +151,8 @@ def test_dispatch_pops_pool_top_in_ascending_slot_order():
     result = ref_step_paddle(state, 4)
 
     expected = expected_start(state)
-    expected["block_tables"][0, 2] = 32
-    expected["block_tables"][2, 1] = 31
-    expected["used_list_len"][:] = [1, 0, 1]
+    expect_dispatched(expected, 0, 2, 32)
+    expect_dispatched(expected, 2, 1, 31)
     expected["free_list_len"][0] = 1  # popping leaves free_list's entries as they were
     assert_states_equal(result, expected)
 
@@ -195,22 +201,40 @@ def test_preempts_biggest_holder_lowest_slot_on_ties():
     expected["block_tables"][1] = [1, -1, -1, -1, -1, -1]
     expect_preempted(expected, [1])
     # used_list_len[1] stays 2. Dispatch: slot 3 takes the pool top.
-    expected["block_tables"][3, 1] = 12
-    expected["used_list_len"][3] = 1
+    expect_dispatched(expected, 3, 1, 12)
     expected["free_list_len"][0] = 1
     # Recovery: slot 1's budget min(2+1, 6-1, 6-1) = 3 > 1 left in the pool.
     assert_states_equal(result, expected)
 
 
-def test_victim_that_is_itself_needy_leaves_the_needy_list():
+@pytest.mark.parametrize(
+    ("decoder_blocks", "seq_lens_decoder", "prompt_len"),
+    [([10], 8, 2), ([], 4, 4)],
+    ids=["victim-holding-a-block", "shortfall-holding-none"],
+)
+def test_lone_needy_slot_is_preempted_and_leaves_the_needy_list(
+    decoder_blocks, seq_lens_decoder, prompt_len
+):
+    """A batch of one that needs a block the empty pool lacks is preempted, as the biggest
+    holder or, holding none, for the shortfall. It is needy no more, so the blocks it gave
+    back stay in the pool; its used_list_len stays for recovery."""
     state = make_state(1, 6, 24, free_list=[], free_list_size=2)
-    add_running(state, 0, encoder_blocks=[0], decoder_blocks=[10], seq_lens_decoder=8, prompt_len=2)
+    add_running(
+        state,
+        0,
+        encoder_blocks=[0],
+        decoder_blocks=decoder_blocks,
+        seq_lens_decoder=seq_lens_decoder,
+        prompt_len=prompt_len,
+    )
     result = ref_step_paddle(state, 4)
-    assert result["is_block_step"][0] and result["stop_flags"][0]
-    assert result["block_tables"][0].tolist() == [0, -1, -1, -1, -1, -1]
-    assert result["free_list"][0] == 10 and result["free_list_len"][0] == 1  # not dispatched
-    assert result["used_list_len"][0] == 1
-    assert result["step_block_list"].tolist() == [0] and result["step_lens"][0] == 1
+
+    expected = expected_start(state)
+    expect_preempted(expected, [0])
+    expected["block_tables"][0, 1:] = -1
+    expected["free_list"][: len(decoder_blocks)] = decoder_blocks
+    expected["free_list_len"][0] = len(decoder_blocks)
+    assert_states_equal(result, expected)
 
 
 def full_holder_state(batch_size):
@@ -241,8 +265,7 @@ def test_holders_of_max_dec_blocks_are_preempted_when_nobody_else_holds_any():
     expected["free_list"][:4] = [10, 11, 12, 13]
     expected["block_tables"][0, :4] = -1
     expect_preempted(expected, [0])
-    expected["block_tables"][1, 1] = 13
-    expected["used_list_len"][1] = 1
+    expect_dispatched(expected, 1, 1, 13)
     # Recovery: slot 0's budget max(1, min(5, 4-0, 6-0)) = 4 > 3 left.
     expected["free_list_len"][0] = 3
     assert_states_equal(result, expected)
@@ -256,8 +279,7 @@ def test_shortfall_preempts_needy_from_highest_slot_down():
 
     expected = expected_start(state)
     expect_preempted(expected, [3, 2, 1])
-    expected["block_tables"][0, 1] = 20
-    expected["used_list_len"][0] = 1
+    expect_dispatched(expected, 0, 1, 20)
     expected["free_list_len"][0] = 0
     assert_states_equal(result, expected)
 
@@ -274,16 +296,6 @@ def test_shortfall_after_holders_are_gone():
     assert result["block_tables"][1, 1] == 10
     assert result["used_list_len"].tolist() == [1, 1, 0, 0]
     assert result["is_block_step"].tolist() == [True, False, True, True]
-    assert result["free_list_len"][0] == 0
-
-
-def test_shortfall_with_batch_of_one():
-    state = make_state(1, 6, 24, free_list=[], free_list_size=2)
-    add_running(state, 0, encoder_blocks=[0], seq_lens_decoder=4, prompt_len=4)
-    result = ref_step_paddle(state, 4)
-    assert result["is_block_step"][0] and result["stop_flags"][0]
-    assert result["step_block_list"].tolist() == [0] and result["step_lens"][0] == 1
-    assert result["used_list_len"][0] == 0
     assert result["free_list_len"][0] == 0
 
 
