@@ -40,15 +40,6 @@ FORMATS = {
     "bfloat16": ("--dtype", "bfloat16"),
     "int8": ("--quantization", "int8"),
 }
-QWEN_05B = SHAPES["qwen2.5-0.5b"]
-TINY = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=160,
-    vocab_size=3000,
-)
 PROMPT_LEN, NEW_TOKENS, BLOCK_SIZE = 64, 32, 16
 TOKENIZER_DIR = (
     Path(__file__).resolve().parents[1] / "python" / "paddle_step" / "assets" / "pydoc-tiny"
@@ -216,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from paddle_step.layers import cpu_linear
 
-    shape = TINY if args.quick else QWEN_05B
+    shape = SHAPES["tiny" if args.quick else "qwen2.5-0.5b"]
     with tempfile.TemporaryDirectory() as scratch:
         checkpoint = Path(args.checkpoint) if args.checkpoint else Path(scratch) / "model"
         if not (checkpoint / "model.safetensors").is_file():

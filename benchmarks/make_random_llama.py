@@ -53,6 +53,17 @@ SHAPES = {
         "vocab_size": 151936,
         "tie_word_embeddings": True,
     },
+    # A model of seconds, for quick runs (bench_weight_formats.py --quick).
+    "tiny": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 160,
+        "vocab_size": 3000,
+        "tie_word_embeddings": True,
+    },
 }
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 DTYPES = ("float32", "bfloat16")
