@@ -60,17 +60,14 @@ def run_checked(engine: Engine) -> dict[int, list[int]]:
 # ---------------------------------------------------------------- config and state
 
 
+# A valid config's sizes, which the two config tests vary.
+SIZES = dict(max_batch=2, max_model_len=32, block_size=4, num_kv_blocks=64)
+
+
 def test_config_derived_sizes() -> None:
-    config = EngineConfig(
-        max_batch=3,
-        max_model_len=32,
-        block_size=4,
-        num_kv_blocks=40,
-        decoder_pool_ratio=0.25,
-        enc_dec_block_num=1,
-    )
+    config = EngineConfig(**SIZES, decoder_pool_ratio=0.25, enc_dec_block_num=1)
     assert config.blocks_per_seq == 8 and config.max_dec_blocks == 8
-    assert (config.num_decoder_blocks, config.num_encoder_blocks) == (10, 30)
+    assert (config.num_decoder_blocks, config.num_encoder_blocks) == (16, 48)
     assert config.encoder_blocks_for(1) == 2
     assert config.encoder_blocks_for(9) == 4
     assert config.encoder_blocks_for(31) == 8  # capped at blocks_per_seq
@@ -88,9 +85,8 @@ def test_config_derived_sizes() -> None:
     ],
 )
 def test_config_rejects(kwargs, message) -> None:
-    base = dict(max_batch=2, max_model_len=32, block_size=4, num_kv_blocks=64)
     with pytest.raises(ValueError, match=message):
-        EngineConfig(**{**base, **kwargs})
+        EngineConfig(**{**SIZES, **kwargs})
 
 
 def test_share_inputs_start_empty_with_the_top_blocks_in_the_pool() -> None:
