@@ -79,41 +79,34 @@ def valid_state():
     return make_state(3, 4, 16, free_list=[7, 6, 5])
 
 
-# A table: one entry a line or two, not reflowed.
-# fmt: off
+# (argument, bad value, what the error says was expected, what it says came)
 BAD_INPUTS = [
-    ("stop_flags", np.zeros(3, np.int32),
-     "argument 'stop_flags': expected dtype bool, got dtype int32"),
-    ("block_tables", np.zeros((3, 4), np.int64),
-     "argument 'block_tables': expected dtype int32, got dtype int64"),
-    ("input_ids", np.zeros((3, 16), np.int32),
-     "argument 'input_ids': expected dtype int64, got dtype int32"),
-    ("seq_lens_decoder", np.zeros(4, np.int32),
-     "argument 'seq_lens_decoder': expected shape [3] or [3, 1], got shape [4]"),
-    ("is_block_step", np.zeros((3, 1), np.bool_),
-     "argument 'is_block_step': expected shape [3], got shape [3, 1]"),
-    ("block_tables", np.zeros(3, np.int32),
-     "argument 'block_tables': expected shape [3, -1], got shape [3]"),
-    ("free_list_len", np.zeros(2, np.int32),
-     "argument 'free_list_len': expected shape [1], got shape [2]"),
-    ("pre_ids", np.zeros((2, 16), np.int64),
-     "argument 'pre_ids': expected shape [3, -1], got shape [2, 16]"),
-    ("free_list", np.zeros((3, 1), np.int32),
-     "argument 'free_list': expected shape [-1], got shape [3, 1]"),
+    ("stop_flags", np.zeros(3, np.int32), "dtype bool", "dtype int32"),
+    ("block_tables", np.zeros((3, 4), np.int64), "dtype int32", "dtype int64"),
+    ("input_ids", np.zeros((3, 16), np.int32), "dtype int64", "dtype int32"),
+    ("seq_lens_decoder", np.zeros(4, np.int32), "shape [3] or [3, 1]", "shape [4]"),
+    ("is_block_step", np.zeros((3, 1), np.bool_), "shape [3]", "shape [3, 1]"),
+    ("block_tables", np.zeros(3, np.int32), "shape [3, -1]", "shape [3]"),
+    ("free_list_len", np.zeros(2, np.int32), "shape [1]", "shape [2]"),
+    ("pre_ids", np.zeros((2, 16), np.int64), "shape [3, -1]", "shape [2, 16]"),
+    ("free_list", np.zeros((3, 1), np.int32), "shape [-1]", "shape [3, 1]"),
 ]
-# fmt: on
 
 
 @pytest.mark.parametrize(
-    "name,value,message", BAD_INPUTS, ids=[f"{case[0]}-{i}" for i, case in enumerate(BAD_INPUTS)]
+    "name,value,expected,got",
+    BAD_INPUTS,
+    ids=[f"{case[0]}-{i}" for i, case in enumerate(BAD_INPUTS)],
 )
-def test_bad_input_raises_before_writing(name, value, message):
+def test_bad_input_raises_before_writing(name, value, expected, got):
     state = valid_state()
     state[name] = value
     tensors = {key: paddle.to_tensor(array) for key, array in state.items()}
     with pytest.raises(ValueError) as raised:
         paddle_step.step_paddle(*(tensors[key] for key in STEP_PADDLE_TENSORS), 4, 0)
-    assert str(raised.value) == "paddle_step.step_paddle: " + message
+    assert str(raised.value) == (
+        f"paddle_step.step_paddle: argument '{name}': expected {expected}, got {got}"
+    )
     for key, tensor in tensors.items():
         np.testing.assert_array_equal(tensor.numpy(), state[key], err_msg=key)
 
