@@ -83,23 +83,19 @@ LONG = Geometry(64, 4096, 64, 1024, 3072, 48)
 STEADY_BLOCKS = 2  # decoder blocks of a steady slot
 VICTIM_BLOCKS = 4  # decoder blocks of a slot the preemption rows preempt
 
-# (state, B, preemptions, recoveries, geometry): the rows of issue 14, and two
-# recovery rows with long sequences.
+# The batch sizes of the steady rows, of advance_step and of the floor.
+BATCHES = (1, 64, 255, 1024, 4096, 16384)
+# (state, B, preemptions, recoveries, geometry): steady decode at each of BATCHES, the
+# event rows of issue 14, and two recovery rows with long sequences.
 STEP_ROWS = (
-    ("steady decode", 1, 0, 0, SHORT),
-    ("steady decode", 64, 0, 0, SHORT),
-    ("steady decode", 255, 0, 0, SHORT),
+    *(("steady decode", batch, 0, 0, SHORT) for batch in BATCHES),
     ("5 preemptions", 64, 5, 0, SHORT),
     ("32 preemptions", 255, 32, 0, SHORT),
     ("2 recoveries", 64, 0, 2, SHORT),
     ("1 recovery", 255, 0, 1, SHORT),
     ("2 recoveries, 4096-token re-prefills", 64, 0, 2, LONG),
     ("1 recovery, 4096-token re-prefill", 255, 0, 1, LONG),
-    ("steady decode", 1024, 0, 0, SHORT),
-    ("steady decode", 4096, 0, 0, SHORT),
-    ("steady decode", 16384, 0, 0, SHORT),
 )
-ADVANCE_BATCHES = (1, 64, 255, 1024, 4096, 16384)
 
 # advance_step geometry: 16-token blocks, seq_lens starting below 64, tables wide
 # enough for every position a row reaches.
@@ -471,8 +467,8 @@ def _markdown(rows: list[dict]) -> str:
 def test_report_kernel_times(gpu):
     """The table of README.md "Kernel times" (printed with pytest -s)."""
     rows = [_time_step_paddle(gpu, *row) for row in STEP_ROWS]
-    rows += [_time_advance_step(gpu, batch) for batch in ADVANCE_BATCHES]
-    rows += [_time_floor(gpu, batch) for batch in ADVANCE_BATCHES]
+    rows += [_time_advance_step(gpu, batch) for batch in BATCHES]
+    rows += [_time_floor(gpu, batch) for batch in BATCHES]
     for row in rows:
         assert row["gpu_us"] > 0 and row["host_us"] > 0, row
     print(
