@@ -159,24 +159,31 @@ class StepProbe:
 
         return wrapper
 
-    # (phase, part of the engine, method): the disjoint parts of Engine.step.
     def _methods(self):
-        engine = self.engine
-        return (
-            ("admit", engine.scheduler, "schedule"),
-            ("admit", engine.runner, "write_admitted"),
-            ("admit", engine.runner, "write_prefill_chunks"),
-            ("forward", engine.runner, "forward"),
-            ("sampling", engine, "_uniforms"),
-            ("sampling", engine.runner, "sample"),
-            ("post_process", engine.runner, "update_inputs"),
-            ("advance_step", engine.runner, "advance_decode_inputs"),
-            ("host", engine.runner, "sync_host"),
-            ("host", engine.scheduler, "record"),
-            ("host", engine, "_count"),
-            ("host", engine.scheduler, "retire"),
-            ("host", engine.runner, "clear_slots"),
-        )
+        """(phase, part of the engine, method name) of each timed method: the disjoint
+        parts of Engine.step, by phase."""
+        engine, runner, scheduler = self.engine, self.engine.runner, self.engine.scheduler
+        phases = {
+            "admit": (
+                (scheduler, "schedule"),
+                (runner, "write_admitted"),
+                (runner, "write_prefill_chunks"),
+            ),
+            "forward": ((runner, "forward"),),
+            "sampling": ((engine, "_uniforms"), (runner, "sample")),
+            "post_process": ((runner, "update_inputs"),),
+            "advance_step": ((runner, "advance_decode_inputs"),),
+            "host": (
+                (runner, "sync_host"),
+                (scheduler, "record"),
+                (engine, "_count"),
+                (scheduler, "retire"),
+                (runner, "clear_slots"),
+            ),
+        }
+        for phase, methods in phases.items():
+            for owner, attr in methods:
+                yield phase, owner, attr
 
     def install(self) -> None:
         for phase, owner, attr in self._methods():
