@@ -323,10 +323,10 @@ def bench_batch(batch: int, steps: int, warmup: int, seed: int = 0) -> dict:
 
 
 def print_table(report: dict) -> None:
-    env = report["env"]
+    env, model = report["env"], report["model"]
     print(
-        f"Engine decode steps, LlamaForCausalLM (hidden {report['model']['hidden_size']}, "
-        f"{report['model']['num_layers']} layers), CPU, paddle {env['paddle']}, "
+        f"Engine decode steps, LlamaForCausalLM (hidden {model['hidden_size']}, "
+        f"{model['num_layers']} layers), CPU, paddle {env['paddle']}, "
         f"{env['cpu_count']} cores (shared, noisy machine). Mean us per step."
     )
     cols = ("step", "forward", "sampling", "post_process", "step_paddle", "advance_step",
