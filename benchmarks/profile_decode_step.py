@@ -10,8 +10,8 @@ split by timers wrapped, in this process only, around the engine's parts:
   KV cache writes), ``kv_gather`` (reading the keys and values through the block tables),
   ``attention`` (scores, softmax, weighted sum), ``output_and_mlp`` (output projection,
   RMSNorm, fused gate/up, SwiGLU, down, residuals), ``logits`` (final RMSNorm, LM head of
-  the sampled rows), ``decode_layers`` (whole layers as one CPU call each, in a step of
-  decode tokens only: those steps have no attention_inputs, KV or output_and_mlp parts),
+  the sampled rows), ``fused_layers`` (whole layers as one CPU call each, where the
+  layers fuse: those steps have no attention_inputs, KV or output_and_mlp parts),
   ``forward_other`` (embedding, rotary tables, the flat batch, masks);
 - outside it: ``sampling``, ``update_inputs``, ``step_paddle`` and ``advance_step`` (the
   ops and their assigns), ``host`` (the one copy back and the scheduler's bookkeeping).
@@ -42,7 +42,7 @@ PROMPT_TOKENS = 64
 BLOCK_SIZE = 16
 WARMUP_STEPS = 3
 FORWARD_PARTS = ("attention_inputs", "kv_write", "kv_gather", "attention", "output_and_mlp",
-                 "decode_layers", "logits")  # fmt: skip
+                 "fused_layers", "logits")  # fmt: skip
 STEP_PARTS = ("sampling", "update_inputs", "step_paddle", "advance_step", "host")
 
 
@@ -75,7 +75,7 @@ def instrument(engine, timer: PartTimer) -> None:
     timer.wrap(model, "_attention", "attention")
     timer.wrap(runner.kv_cache, "decode_attention", "attention")  # our CPU op's
     for layer in model.layers:
-        timer.wrap(layer, "forward_decode", "decode_layers")
+        timer.wrap(layer, "forward_fused", "fused_layers")
     timer.wrap(runner, "forward", "forward")
     timer.wrap(runner, "sample", "sampling")
     timer.wrap(runner, "update_inputs", "update_inputs")

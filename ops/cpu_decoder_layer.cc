@@ -1,6 +1,6 @@
-// cpu_decoder_layer: a whole decoder layer over decode tokens in one call, so
-// that a decode step pays one Python-to-C++ crossing per layer instead of a
-// few dozen eager ops. The products are CpuLinear's, the attention and the
+// cpu_decoder_layer: a whole decoder layer over a step's tokens in one call,
+// so that a step pays one Python-to-C++ crossing per layer instead of a few
+// dozen eager ops, and its element-wise parts run on every thread. The products are CpuLinear's, the attention and the
 // cache write cpu_paged_attention's, the element-wise parts
 // ops/include/cpu_decoder_layer_kernel.h.
 #include <algorithm>
@@ -18,6 +18,44 @@ namespace paddle_step {
 namespace {
 
 constexpr InputChecker kCheck("cpu_decoder_layer");
+
+// Values per task of an element-wise loop: below this, handing rows to
+// another thread costs more than it saves.
+constexpr int64_t kValuesPerTask = 16384;
+
+// body(first, last) over ranges of rows [0, rows) of `width` values each, on
+// the CPU kernels' pool; one inline call where the rows are few.
+template <typename Body>
+void ForRowRanges(int64_t rows, int64_t width, const Body& body) {
+  cpu::ThreadPool& pool = CpuThreadPool();
+  const int tasks = static_cast<int>(std::min<int64_t>(
+      {int64_t{pool.size()} * 4, rows * width / kValuesPerTask, rows,
+       cpu::ThreadPool::kMaxTasks}));
+  if (tasks <= 1) {
+    body(int64_t{0}, rows);
+    return;
+  }
+  pool.Run(tasks, [&](int task) {
+    body(rows * task / tasks, rows * (task + 1) / tasks);
+  });
+}
+
+// RMSNorm of `rows` rows of x into out (cpu::RmsNorm), over the pool.
+void RmsNormRows(const float* x, const float* weight, int64_t rows,
+                 int64_t width, float eps, float* out) {
+  ForRowRanges(rows, width, [&](int64_t first, int64_t last) {
+    cpu::RmsNorm(x + first * width, weight, last - first, width, eps,
+                 out + first * width);
+  });
+}
+
+// x += y over `rows` rows of `width` values, over the pool.
+void AddRows(float* x, const float* y, int64_t rows, int64_t width) {
+  ForRowRanges(rows, width, [&](int64_t first, int64_t last) {
+    cpu::AddInPlace(x + first * width, y + first * width,
+                    (last - first) * width);
+  });
+}
 
 void CheckFloatMatrix(const char* name, const paddle::Tensor& tensor,
                       std::initializer_list<int64_t> shape) {
@@ -97,12 +135,16 @@ paddle::Tensor CpuDecoderLayer(const paddle::Tensor& x,
 
   auto normed = paddle::empty({tokens, hidden}, paddle::DataType::FLOAT32,
                               paddle::CPUPlace());
-  cpu::RmsNorm(x.data<float>(), weights.attn_norm.data<float>(), tokens,
-               hidden, epsilon, normed.data<float>());
+  RmsNormRows(x.data<float>(), weights.attn_norm.data<float>(), tokens,
+              hidden, epsilon, normed.data<float>());
   auto qkv = Product(normed, weights.qkv);
   float* qkv_rows = qkv.data<float>();
-  cpu::RotateHalf(qkv_rows, tokens, qkv_width, heads + kv_heads, head_dim,
-                  cos.data<float>(), sin.data<float>());
+  ForRowRanges(tokens, qkv_width, [&](int64_t first, int64_t last) {
+    cpu::RotateHalf(qkv_rows + first * qkv_width, last - first, qkv_width,
+                    heads + kv_heads, head_dim,
+                    cos.data<float>() + first * head_dim,
+                    sin.data<float>() + first * head_dim);
+  });
   const auto q = Columns(qkv, 0, heads, head_dim);
   CpuWriteKv(key_cache, value_cache, layer, slots,
              Columns(qkv, heads, kv_heads, head_dim),
@@ -112,17 +154,20 @@ paddle::Tensor CpuDecoderLayer(const paddle::Tensor& x,
                          positions, block_size, 1.0 / std::sqrt(head_dim));
 
   auto residual = Product(attention, weights.o);  // x + o(attention)
-  cpu::AddInPlace(residual.data<float>(), x.data<float>(), tokens * hidden);
-  cpu::RmsNorm(residual.data<float>(), weights.mlp_norm.data<float>(), tokens,
-               hidden, epsilon, normed.data<float>());
+  AddRows(residual.data<float>(), x.data<float>(), tokens, hidden);
+  RmsNormRows(residual.data<float>(), weights.mlp_norm.data<float>(), tokens,
+              hidden, epsilon, normed.data<float>());
   auto gate_up = Product(normed, weights.gate_up);
   const int64_t intermediate = weights.gate_up.n / 2;
   auto activation = paddle::empty({tokens, intermediate},
                                   paddle::DataType::FLOAT32, paddle::CPUPlace());
-  cpu::SiluTimesUp(isa, gate_up.data<float>(), tokens, intermediate,
-                   activation.data<float>());
+  ForRowRanges(tokens, intermediate, [&](int64_t first, int64_t last) {
+    cpu::SiluTimesUp(isa, gate_up.data<float>() + first * 2 * intermediate,
+                     last - first, intermediate,
+                     activation.data<float>() + first * intermediate);
+  });
   auto out = Product(activation, weights.down);
-  cpu::AddInPlace(out.data<float>(), residual.data<float>(), tokens * hidden);
+  AddRows(out.data<float>(), residual.data<float>(), tokens, hidden);
   return out;
 }
 

@@ -1,4 +1,4 @@
-// One Llama decoder layer over decode tokens on the CPU, in one call
+// One Llama decoder layer over a step's tokens on the CPU, in one call
 // (ops/cpu_decoder_layer.cc), bound by the pybind11 fast path (bindings.cc).
 #pragma once
 
@@ -28,10 +28,11 @@ struct DecoderLayerWeights {
   PackedLinear down;         // [intermediate, hidden]
 };
 
-// x float32 [T, hidden] (T decode tokens) through RMSNorm, the fused q/k/v
+// x float32 [T, hidden] (a step's tokens) through RMSNorm, the fused q/k/v
 // product, rotary embedding (cos, sin [T, head_dim], rotate-half layout), the
 // K/V write at `slots` of layer `layer` of the caches, attention over each
-// token's block-table row (CpuDecodeAttention), the output product and its
+// token's block-table row (CpuDecodeAttention: a token at position p sees the
+// cache's keys 0..p, its own step's included), the output product and its
 // residual, RMSNorm, SwiGLU and its residual: float32 [T, hidden].
 paddle::Tensor CpuDecoderLayer(const paddle::Tensor& x,
                                const DecoderLayerWeights& weights,

@@ -218,17 +218,17 @@ class DecoderLayer(nn.Layer):
             *_present(self.o_bias),
         )
 
-    def forward_decode(
+    def forward_fused(
         self,
         x: paddle.Tensor,
         rope: tuple[paddle.Tensor, paddle.Tensor],
         index: int,
-        step: DecodeStep,
+        step: FusedStep,
     ) -> paddle.Tensor:
-        """``forward`` over decode tokens only, as one call of our CPU op (which writes
-        their K/V into layer ``index`` of ``step.kv_cache`` and attends through their
-        block-table rows): for a float32 cache with ``uses_cpu_ops`` and blocks that
-        ``fuse_layers``."""
+        """``forward`` as one call of our CPU op, which writes the step's K/V into layer
+        ``index`` of ``step.kv_cache`` and then attends through each token's block-table
+        row (a token at position p sees the cache's keys 0..p, its own step's among them):
+        for a float32 cache with ``uses_cpu_ops`` and blocks that ``fuse_layers``."""
         w_qkv, qkv_bias, w_o, w_gate_up, w_down = self._dense_weights()
         cfg = self.config
 
@@ -246,10 +246,10 @@ class DecoderLayer(nn.Layer):
         )  # fmt: skip
 
 
-class DecodeStep(NamedTuple):
-    """A step of decode tokens only, for ``DecoderLayer.forward_decode``: the cache, each
-    token's cache slot, block-table row and position ([T] int64), the block tables, and
-    the op's path for the products ("": the process's)."""
+class FusedStep(NamedTuple):
+    """A step whose layers run as one CPU call each (``DecoderLayer.forward_fused``): the
+    cache, each token's cache slot, block-table row and position ([T] int64), the block
+    tables, and the op's path for the products ("": the process's)."""
 
     kv_cache: PagedKVCache
     slots: paddle.Tensor
@@ -377,19 +377,19 @@ class LlamaForCausalLM(nn.Layer):
         input_ids: paddle.Tensor,
         positions: paddle.Tensor,
         attend_for_layer: Callable[[int], AttendFn] | None,
-        decode: DecodeStep | None = None,
+        fused: FusedStep | None = None,
     ) -> paddle.Tensor:
         """Hidden states [T, hidden] of the tokens ``input_ids`` [T], before the final norm
-        (``_logits`` applies it, to the rows it needs). With ``decode`` (a step of decode
-        tokens only), each layer runs as ``DecoderLayer.forward_decode``."""
+        (``_logits`` applies it, to the rows it needs). With ``fused``, each layer runs as
+        ``DecoderLayer.forward_fused``."""
         if self._embedding is None:
             x = paddle.gather(self.embed, input_ids)
         else:
             x = cpu_linear.columns(self._embedding.packed, input_ids)
         rope = self._rope(positions)
         for index, layer in enumerate(self.layers):
-            if decode is not None:
-                x = layer.forward_decode(x, rope, index, decode)
+            if fused is not None:
+                x = layer.forward_fused(x, rope, index, fused)
             else:
                 x = layer(x, rope, attend_for_layer(index))
         return x
@@ -524,7 +524,9 @@ class LlamaForCausalLM(nn.Layer):
         Each token attends to its sequence's keys at positions up to and including its own.
         Tokens of a row starting at position 0 (a prefill) use the step's own K/V; the others
         read theirs back from the cache (so earlier steps' K/V must be there): once per row
-        for a row of several tokens (a prompt chunk), once per token for a decode row. Returns
+        for a row of several tokens (a prompt chunk), once per token for a decode row. Where
+        the layers fuse (a float32 CPU cache, ``FusedStep``), every token reads its keys from
+        the cache, written first with the step's own: the same values. Returns
         logits [R, vocab] of the tokens ``last_token_index`` names; -1 gets zeros (the LM
         head runs on every index given: pass only the rows that sample). With
         ``extra_index`` ([N] int64 flat token indices), also the logits [N, vocab] of those
@@ -533,15 +535,15 @@ class LlamaForCausalLM(nn.Layer):
         layout = PrefillLayout(positions.numpy(), token_rows.numpy())
         tokens = positions.shape[0]
         if (
-            layout.num_rows == 0
-            and layout.num_chunk_rows == 0
-            and kv_cache.uses_cpu_ops
+            kv_cache.uses_cpu_ops
             and self.config.dtype == "float32"
             and self.blocks.fuse_layers(tokens)
+            # Prompt tokens attend through the cache too: each must have its slot.
+            and (layout.decode_tokens.size == tokens or (slot_mapping.numpy() >= 0).all())
         ):
-            decode = DecodeStep(kv_cache, slot_mapping, block_tables, token_rows, positions,
-                                self.blocks.op_path(tokens))  # fmt: skip
-            hidden = self._run_layers(input_ids, positions, None, decode)
+            fused = FusedStep(kv_cache, slot_mapping, block_tables, token_rows, positions,
+                              self.blocks.op_path(tokens))  # fmt: skip
+            hidden = self._run_layers(input_ids, positions, None, fused)
             return self._logits_of(hidden, last_token_index, extra_index)
         kept_slots = KeptSlots(slot_mapping)
         cfg = self.config

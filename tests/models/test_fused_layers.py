@@ -1,7 +1,8 @@
-"""A decode step whose layers run as one CPU call each (``DecoderLayer.forward_decode``,
-ops/cpu_decoder_layer.cc) against the same step through the eager blocks and the
-per-layer attention: the same logits and the same K/V written, up to float32 rounding,
-for every weight format and instruction-set path."""
+"""Steps whose layers run as one CPU call each (``DecoderLayer.forward_fused``,
+ops/cpu_decoder_layer.cc) against the same steps through the eager blocks and the
+per-layer attention: prompts from position 0, a prompt chunk continued from the cache,
+decode tokens, and all three in one step. The same logits and the same K/V written, up
+to float32 rounding, for every weight format and instruction-set path."""
 
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ CONFIGS = {
 }  # fmt: skip
 
 
-def decode_step(model, fused: bool, monkeypatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Prefills three prompts, then runs one step of a decode token each (one row left
-    empty): that step's logits and the caches after it."""
+def fused_steps(model, fused: bool, monkeypatch) -> tuple[np.ndarray, ...]:
+    """Three steps: prompts from position 0 (one row left empty); then a decode token,
+    a chunk of three prompt tokens, a new prompt and an empty row; then a decode token
+    each. Each step's logits, and the caches after the last."""
     calls = []
     layer_op = llama.paddle_step_ops.cpu_decoder_layer
     monkeypatch.setattr(ModelBlocks, "fuse_layers", lambda self, rows: fused)
@@ -44,25 +46,35 @@ def decode_step(model, fused: bool, monkeypatch) -> tuple[np.ndarray, np.ndarray
     monkeypatch.setattr(llama.paddle_step_ops, "cpu_decoder_layer", counted_layer_op)
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
-    prompts = [rng.integers(0, vocab, n).tolist() for n in (9, 17, 0, 4)]
+
+    def tokens(*counts: int) -> list[list[int]]:
+        return [rng.integers(0, vocab, n).tolist() for n in counts]
+
     block_size, width = 4, 24
     tables = paddle.to_tensor(scrambled_block_tables(4, math.ceil(width / block_size)))
     cache = PagedKVCache.for_config(model.config, num_blocks=tables.size, block_size=block_size)
-    batch = build_flat_batch(*slot_state(prompts, [0] * 4, width), tables, block_size)
-    model.forward_paged(**batch, kv_cache=cache)
-    calls.clear()  # the prefill never fuses
-    following = [[int(rng.integers(0, vocab))] if p else [] for p in prompts]
-    batch = build_flat_batch(
-        *slot_state(following, [len(p) for p in prompts], width), tables, block_size
-    )
-    logits = model.forward_paged(**batch, kv_cache=cache).numpy()
-    assert len(calls) == (model.config.num_layers if fused else 0)
-    return logits, cache.key.numpy(), cache.value.numpy()
+    starts = [0] * 4
+    outputs = []
+    for step in (tokens(9, 17, 0, 4), tokens(1, 3, 6, 0), tokens(1, 1, 1, 0)):
+        batch = build_flat_batch(*slot_state(step, starts, width), tables, block_size)
+        outputs.append(model.forward_paged(**batch, kv_cache=cache).numpy())
+        starts = [start + len(row) for start, row in zip(starts, step)]
+    assert len(calls) == (3 * model.config.num_layers if fused else 0)
+    return (*outputs, cache.key.numpy(), cache.value.numpy())
+
+
+def assert_same_steps(fused: tuple[np.ndarray, ...], blocks: tuple[np.ndarray, ...]) -> None:
+    """``fused_steps`` outputs, fused against the blocks: logits, then the caches."""
+    for logits, expected in zip(fused[:3], blocks[:3]):
+        np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-5)
+    assert not fused[0][2].any() and not fused[1][3].any()  # the empty rows
+    for cache, expected in zip(fused[3:], blocks[3:]):
+        np.testing.assert_allclose(cache, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("weight_format", [None, "bfloat16", "int8"])
-def test_fused_decode_step_matches_the_blocks(isa_path, name, weight_format, monkeypatch):
+def test_fused_steps_match_the_blocks(isa_path, name, weight_format, monkeypatch):
     if weight_format is not None:
         # One way for both (avx512_bf16 has two for packed weights, and fuse_layers is
         # forced here, before the blocks have measured theirs).
@@ -70,12 +82,7 @@ def test_fused_decode_step_matches_the_blocks(isa_path, name, weight_format, mon
     config = CONFIGS[name]
     config = ModelConfig(**{**config.__dict__, "weight_format": weight_format})
     model = LlamaForCausalLM(config)
-    logits, key, value = decode_step(model, True, monkeypatch)
-    expected_logits, expected_key, expected_value = decode_step(model, False, monkeypatch)
-    np.testing.assert_allclose(logits, expected_logits, rtol=1e-4, atol=1e-5)
-    assert not logits[2].any()  # the empty row
-    np.testing.assert_allclose(key, expected_key, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(value, expected_value, rtol=1e-5, atol=1e-6)
+    assert_same_steps(fused_steps(model, True, monkeypatch), fused_steps(model, False, monkeypatch))
 
 
 def test_layers_fuse_only_where_both_blocks_run_the_op():
@@ -97,7 +104,7 @@ def test_layers_fuse_only_where_both_blocks_run_the_op():
 @pytest.mark.parametrize("way", ["op", "op_widened"])
 def test_fused_products_run_the_way_the_blocks_keep(weight_format, way, monkeypatch):
     """Packed weights where the op has dot products (avx512_bf16): a fused layer's products
-    run the way both blocks keep (``op_path``), so the fused step equals the blocks' step
+    run the way both blocks keep (``op_path``), so the fused steps equal the blocks' steps
     (the other way's activations are rounded differently: off by far more than this)."""
     if not runs_here("avx512_bf16"):
         pytest.skip("packed weights have one way below avx512_bf16")
@@ -106,11 +113,7 @@ def test_fused_products_run_the_way_the_blocks_keep(weight_format, way, monkeypa
     model = LlamaForCausalLM(config)
     assert model.blocks.fuse_layers(1)
     assert model.blocks.op_path(1) == ("avx512" if way == "op_widened" else "")
-    logits, key, value = decode_step(model, True, monkeypatch)
-    expected_logits, expected_key, expected_value = decode_step(model, False, monkeypatch)
-    np.testing.assert_allclose(logits, expected_logits, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(key, expected_key, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(value, expected_value, rtol=1e-5, atol=1e-6)
+    assert_same_steps(fused_steps(model, True, monkeypatch), fused_steps(model, False, monkeypatch))
 
 
 def test_layers_fuse_where_both_blocks_keep_the_same_op_way():
@@ -127,3 +130,25 @@ def test_layers_fuse_where_both_blocks_keep_the_same_op_way():
     assert blocks.op_path(3) == ""  # the blocks differ
     blocks.output_and_mlp.choice[rows_class] = "op_widened"
     assert blocks.op_path(3) == "avx512"
+
+
+def test_prompt_tokens_without_a_slot_run_the_blocks(monkeypatch):
+    """A prompt token past its block table has no cache slot, so the cache cannot give it
+    its own key: that step runs the blocks (which attend over the step's own K/V)."""
+    model = LlamaForCausalLM(CONFIGS["llama-gqa"])
+    calls = []
+    layer_op = llama.paddle_step_ops.cpu_decoder_layer
+    monkeypatch.setattr(ModelBlocks, "fuse_layers", lambda self, rows: True)
+    monkeypatch.setattr(
+        llama.paddle_step_ops, "cpu_decoder_layer", lambda *a: calls.append(1) or layer_op(*a)
+    )
+    tables = scrambled_block_tables(2, 2)
+    tables[1, 1] = -1  # row 1's tokens 4.. have no slot
+    cache = PagedKVCache.for_config(model.config, num_blocks=tables.size, block_size=4)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9]]
+    batch = build_flat_batch(*slot_state(prompts, [0, 0], 8), paddle.to_tensor(tables), 4)
+    assert (batch["slot_mapping"].numpy() < 0).any()
+    logits = model.forward_paged(**batch, kv_cache=cache).numpy()
+    assert not calls
+    expected = model.forward_naive(prompts[1:]).numpy()[0]
+    np.testing.assert_allclose(logits[1], expected, rtol=1e-4, atol=1e-5)
