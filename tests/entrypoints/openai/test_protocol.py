@@ -30,10 +30,11 @@ def test_every_sampling_field_reaches_the_params():
     body = completion(
         temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, presence_penalty=0.5,
         frequency_penalty=-0.25, repetition_penalty=1.3, logit_bias={"7": -100, "11": 2.5},
-        min_tokens=3, stop_token_ids=[4, 9], seed=42, n=2, ignore_eos=True,
+        min_tokens=3, stop_token_ids=[4, 9], seed=42, n=2, ignore_eos=True, logprobs=3,
+        prompt_logprobs=2, best_of=4,
     )  # fmt: skip
     body.check(VOCAB)
-    params = body.sampling_params(12, VOCAB, logprobs=3, prompt_logprobs=2, best_of=4)
+    params = body.sampling_params(12, VOCAB)
     assert params == SamplingParams(
         max_tokens=12, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, presence_penalty=0.5,
         frequency_penalty=-0.25, repetition_penalty=1.3, logit_bias={7: -100.0, 11: 2.5},
@@ -194,6 +195,13 @@ def test_chat_max_completion_tokens_and_logprobs():
     assert chat(max_tokens=5).completion_limit() == 5
     assert chat(logprobs=True).logprobs_asked() == 0
     assert chat().logprobs_asked() is None
+    params = body.sampling_params(8, VOCAB)
+    assert params == SamplingParams(max_tokens=8, temperature=1.0, logprobs=3)
+
+
+def test_best_of_reaches_the_params_only_above_n():
+    assert completion(n=2, best_of=3).sampling_params(4, VOCAB).best_of == 3
+    assert completion(n=2, best_of=2).sampling_params(4, VOCAB).best_of is None
 
 
 BAD_CHATS = [

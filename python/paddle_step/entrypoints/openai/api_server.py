@@ -234,15 +234,7 @@ def create_app(
         for index, (prompt, prompt_ids) in enumerate(zip(prompts, prompt_ids_list)):
             check_model_and_prompt(body, prompt_ids)
             max_tokens = token_budget(prompt_ids, body.max_tokens, "max_tokens", "prompt")
-            best_of = body.samples_drawn()
-            params = body.sampling_params(
-                max_tokens,
-                vocab_size,
-                logprobs=body.logprobs,
-                prompt_logprobs=body.prompt_logprobs_asked(),
-                best_of=best_of if best_of > body.n else None,
-                constraint=new_constraint(),
-            )
+            params = body.sampling_params(max_tokens, vocab_size, new_constraint())
             echo = None
             if body.echo:
                 echo = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
@@ -263,12 +255,7 @@ def create_app(
         check_model_and_prompt(body, prompt_ids)
         limit_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         max_tokens = token_budget(prompt_ids, body.completion_limit(), limit_name, "messages")
-        params = body.sampling_params(
-            max_tokens,
-            vocab_size,
-            logprobs=body.logprobs_asked(),
-            constraint=(await constraints_of(body))(),
-        )
+        params = body.sampling_params(max_tokens, vocab_size, (await constraints_of(body))())
         fmt = _ChatFormat(model_name, formatter, body.logprobs_asked())
         return await respond(request, body, [_Run(0, prompt_ids, params, None)], fmt)
 

@@ -259,17 +259,24 @@ class _RequestFields(_Strict):
             bias[token] = float(value)
         return bias
 
+    def logprobs_asked(self) -> int | None:
+        """Alternatives per generated token the engine computes (None: no logprobs)."""
+        return None
+
+    def prompt_logprobs_asked(self) -> int | None:
+        """Alternatives per prompt token the engine computes (None: none)."""
+        return None
+
+    def samples_drawn(self) -> int:
+        """Samples drawn per prompt, of which ``n`` are returned."""
+        return self.n
+
     def sampling_params(
-        self,
-        max_tokens: int,
-        vocab_size: int,
-        *,
-        logprobs: int | None = None,
-        prompt_logprobs: int | None = None,
-        best_of: int | None = None,
-        constraint: TokenConstraint | None = None,
+        self, max_tokens: int, vocab_size: int, constraint: TokenConstraint | None = None
     ) -> SamplingParams:
-        """The ``SamplingParams`` of one prompt (its ``n`` samples)."""
+        """The ``SamplingParams`` of one prompt (its ``n`` samples) with this request's
+        fields, ``max_tokens`` as granted and ``constraint`` (structured output)."""
+        best_of = self.samples_drawn()
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=float(self.temperature),
@@ -284,10 +291,10 @@ class _RequestFields(_Strict):
             stop_token_ids=list(self.stop_token_ids or []),
             eos_token_id=[] if self.ignore_eos else None,
             seed=self.seed,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            logprobs=self.logprobs_asked(),
+            prompt_logprobs=self.prompt_logprobs_asked(),
             n=self.n,
-            best_of=best_of,
+            best_of=best_of if best_of > self.n else None,
             constraint=constraint,
         )
 
@@ -344,6 +351,9 @@ class CompletionRequest(_RequestFields):
 
     def samples_drawn(self) -> int:
         return self.n if self.best_of is None else self.best_of
+
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     def prompt_logprobs_asked(self) -> int | None:
         """Prompt logprobs the engine computes: vLLM's ``prompt_logprobs``, or ``logprobs``
