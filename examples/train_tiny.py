@@ -57,12 +57,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="checkpoint folder; the default is the shipped one",
     )
     parser.add_argument("--seed", type=int, default=0, help="weights and batch order")
-    parser.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary size")
-    parser.add_argument("--hidden-size", type=int, default=128, help="model width")
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers")
-    parser.add_argument("--heads", type=int, default=4, help="query heads")
-    parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
-    parser.add_argument("--intermediate-size", type=int, default=384, help="SwiGLU width")
+    shape = parser.add_argument_group("model shape")
+    for flag, default, text in (
+        ("--vocab-size", 2048, "BPE vocabulary size"),
+        ("--hidden-size", 128, "model width"),
+        ("--layers", 4, "decoder layers"),
+        ("--heads", 4, "query heads"),
+        ("--kv-heads", 2, "key/value heads (GQA)"),
+        ("--intermediate-size", 384, "SwiGLU width"),
+    ):
+        shape.add_argument(flag, type=int, default=default, help=text)
     parser.add_argument("--context", type=int, default=256, help="training window, tokens")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per step")
     parser.add_argument(
