@@ -15,7 +15,7 @@ namespace {
 
 constexpr InputChecker kCheck("advance_step");
 
-// The tensor arguments, in the op's input order.
+// The tensor arguments, in the op's input order (the table's, then active).
 enum AdvanceStepInput {
   kInputTokens,
   kSampledTokenIds,
@@ -26,9 +26,10 @@ enum AdvanceStepInput {
   kActive,
   kAdvanceStepInputCount
 };
+#define PADDLE_STEP_NAME(name, access) #name,
 constexpr const char* kNames[kAdvanceStepInputCount] = {
-    "input_tokens", "sampled_token_ids", "input_positions", "seq_lens",
-    "slot_mapping", "block_tables",      "active"};
+    PADDLE_STEP_ADVANCE_STEP_TENSORS(PADDLE_STEP_NAME) "active"};
+#undef PADDLE_STEP_NAME
 
 }  // namespace
 
@@ -65,21 +66,15 @@ void CheckAdvanceStepViews(const TensorView* views, int count, int64_t num_seqs,
   if (has_active) kCheck.Shape(kNames[kActive], views[kActive], {num_seqs});
 }
 
-void AdvanceStep(paddle::Tensor& input_tokens,
-                 const paddle::Tensor& sampled_token_ids,
-                 paddle::Tensor& input_positions, paddle::Tensor& seq_lens,
-                 paddle::Tensor& slot_mapping,
-                 const paddle::Tensor& block_tables,
-                 const paddle::optional<paddle::Tensor>& active,
-                 int64_t num_seqs, int64_t num_queries, int64_t block_size) {
+void AdvanceStep(
+    PADDLE_STEP_ADVANCE_STEP_TENSORS(PADDLE_STEP_ADVANCE_STEP_PARAMETER)
+        const paddle::optional<paddle::Tensor>& active,
+    int64_t num_seqs, int64_t num_queries, int64_t block_size) {
+#define PADDLE_STEP_ADDRESS(name, access) &name,
   const paddle::Tensor* tensors[kAdvanceStepInputCount] = {
-      &input_tokens,
-      &sampled_token_ids,
-      &input_positions,
-      &seq_lens,
-      &slot_mapping,
-      &block_tables,
-      active ? active.get_ptr() : nullptr};
+      PADDLE_STEP_ADVANCE_STEP_TENSORS(PADDLE_STEP_ADDRESS)
+          active ? active.get_ptr() : nullptr};
+#undef PADDLE_STEP_ADDRESS
   const int count = active ? kAdvanceStepInputCount : kActive;
   TensorView views[kAdvanceStepInputCount];
   for (int i = 0; i < count; ++i) views[i] = ViewOf(*tensors[i]);

@@ -32,13 +32,23 @@ void CheckAdvanceStepViews(const TensorView* views, int count, int64_t num_seqs,
                            int64_t num_queries, int64_t block_size);
 void CheckStepPaddleViews(const TensorView* views, int64_t block_size);
 
-void AdvanceStep(paddle::Tensor& input_tokens,
-                 const paddle::Tensor& sampled_token_ids,
-                 paddle::Tensor& input_positions, paddle::Tensor& seq_lens,
-                 paddle::Tensor& slot_mapping,
-                 const paddle::Tensor& block_tables,
-                 const paddle::optional<paddle::Tensor>& active,
-                 int64_t num_seqs, int64_t num_queries, int64_t block_size);
+// advance_step's tensors before the optional `active`, in the op's input
+// order: X(name, access).
+#define PADDLE_STEP_ADVANCE_STEP_TENSORS(X) \
+  X(input_tokens, kWritten)                 \
+  X(sampled_token_ids, kReadOnly)           \
+  X(input_positions, kWritten)              \
+  X(seq_lens, kWritten)                     \
+  X(slot_mapping, kWritten)                 \
+  X(block_tables, kReadOnly)
+
+#define PADDLE_STEP_ADVANCE_STEP_PARAMETER(name, access) \
+  TensorArgument<Access::access> name,
+
+void AdvanceStep(
+    PADDLE_STEP_ADVANCE_STEP_TENSORS(PADDLE_STEP_ADVANCE_STEP_PARAMETER)
+        const paddle::optional<paddle::Tensor>& active,
+    int64_t num_seqs, int64_t num_queries, int64_t block_size);
 
 void StepPaddle(PADDLE_STEP_STEP_PADDLE_TENSORS(PADDLE_STEP_TENSOR_PARAMETER)
                     int64_t block_size,
