@@ -330,6 +330,8 @@ def test_bad_arguments_name_the_argument_the_expected_and_the_received():
         cpu_sampling.sample(
             logits, temperature, top_p, None, allowed_bits=t(np.ones((3, 2), np.int32))
         )
+    with pytest.raises(TypeError, match=r"unknown controls \['top_q'\], expected some of \["):
+        cpu_sampling.sample(logits, temperature, top_p, None, top_k=ids[:, 0], top_q=top_p)
 
 
 @pytest.mark.parametrize("vocab", (1, 31, 32, 33, 1000, 2053))

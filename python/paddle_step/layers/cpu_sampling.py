@@ -21,26 +21,23 @@ def supports(logits: paddle.Tensor) -> bool:
     return logits.place.is_cpu_place() and logits.dtype == paddle.float32
 
 
+# The op's optional tensors, in its argument order: ``sample``'s ``uniforms`` and its
+# controls (keyword arguments).
+_OPTIONAL_TENSORS = (
+    "top_k", "min_p", "uniforms", "allowed_bits", "stop_ids", "min_tokens", "step_idx",
+    "output_ids", "bias_ids", "bias_values", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "prompt_ids",
+)  # fmt: skip
+
+
 def sample(
     logits: paddle.Tensor,
     temperature: paddle.Tensor,
     top_p: paddle.Tensor,
     uniforms: paddle.Tensor | None,
     *,
-    top_k: paddle.Tensor | None = None,
-    min_p: paddle.Tensor | None = None,
-    allowed_bits: paddle.Tensor | None = None,
-    stop_ids: paddle.Tensor | None = None,
-    min_tokens: paddle.Tensor | None = None,
-    step_idx: paddle.Tensor | None = None,
-    output_ids: paddle.Tensor | None = None,
-    bias_ids: paddle.Tensor | None = None,
-    bias_values: paddle.Tensor | None = None,
-    presence_penalty: paddle.Tensor | None = None,
-    frequency_penalty: paddle.Tensor | None = None,
-    repetition_penalty: paddle.Tensor | None = None,
-    prompt_ids: paddle.Tensor | None = None,
     logprobs_top: int | None = None,
+    **controls: paddle.Tensor | None,
 ) -> tuple[paddle.Tensor, tuple | None]:
     """Next token of each row of ``logits`` float32 [R, V], and (when ``logprobs_top`` is
     not None) ``token_logprobs``' triple of the raw logits (ids and values None for 0).
@@ -54,12 +51,17 @@ def sample(
     ``prompt_ids`` [R, P] (``repetition_penalty`` only; a row's prompt ends at its first
     pad), ``bias_ids``/``bias_values``
     [R, K]. A control left None is off for every row."""
+    unknown = sorted(set(controls) - set(_OPTIONAL_TENSORS))
+    if unknown:
+        expected = [name for name in _OPTIONAL_TENSORS if name != "uniforms"]
+        raise TypeError(
+            f"cpu_sampling.sample: unknown controls {unknown}, expected some of {expected}"
+        )
+    optional = {**controls, "uniforms": uniforms}
     top = -1 if logprobs_top is None else logprobs_top
     outputs = _library.cpu_sample(
-        logits, temperature, top_p, top_k, min_p, uniforms, allowed_bits, stop_ids, min_tokens,
-        step_idx, output_ids, bias_ids, bias_values, presence_penalty, frequency_penalty,
-        repetition_penalty, prompt_ids, top,
-    )  # fmt: skip
+        logits, temperature, top_p, *(optional.get(name) for name in _OPTIONAL_TENSORS), top
+    )
     if logprobs_top is None:
         return outputs[0], None
     tokens, chosen, ids, values = outputs
