@@ -76,14 +76,9 @@ void Requires(const char* name, const Optional& tensor, const char* needed_by) {
 
 std::vector<paddle::Tensor> CpuSample(
     const paddle::Tensor& logits, const paddle::Tensor& temperature,
-    const paddle::Tensor& top_p, const Optional& top_k, const Optional& min_p,
-    const Optional& uniforms, const Optional& allowed_bits,
-    const Optional& stop_ids,
-    const Optional& min_tokens, const Optional& step_idx,
-    const Optional& output_ids, const Optional& bias_ids,
-    const Optional& bias_values, const Optional& presence_penalty,
-    const Optional& frequency_penalty, const Optional& repetition_penalty,
-    const Optional& prompt_ids, int64_t top_logprobs) {
+    const paddle::Tensor& top_p,
+    PADDLE_STEP_CPU_SAMPLE_OPTIONAL_TENSORS(
+        PADDLE_STEP_OPTIONAL_TENSOR_PARAMETER) int64_t top_logprobs) {
   using paddle::DataType;
   const TensorView logits_view = ViewOf(logits);
   kCheck.Dtype("logits", logits_view, {DataType::FLOAT32});

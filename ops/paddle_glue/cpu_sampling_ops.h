@@ -10,6 +10,15 @@
 
 namespace paddle_step {
 
+// CpuSample's optional tensors, in its argument order.
+#define PADDLE_STEP_CPU_SAMPLE_OPTIONAL_TENSORS(X)                           \
+  X(top_k) X(min_p) X(uniforms) X(allowed_bits) X(stop_ids) X(min_tokens)  \
+  X(step_idx) X(output_ids) X(bias_ids) X(bias_values) X(presence_penalty) \
+  X(frequency_penalty) X(repetition_penalty) X(prompt_ids)
+
+#define PADDLE_STEP_OPTIONAL_TENSOR_PARAMETER(name) \
+  const paddle::optional<paddle::Tensor>& name,
+
 // One token per row of `logits` float32 [B, V] (rows may be a column slice's:
 // contiguous, any distance apart), under each row's controls; every optional
 // one left none is off for the whole batch:
@@ -29,19 +38,8 @@ namespace paddle_step {
 // float32 [B, N]} (N = top_logprobs <= V).
 std::vector<paddle::Tensor> CpuSample(
     const paddle::Tensor& logits, const paddle::Tensor& temperature,
-    const paddle::Tensor& top_p, const paddle::optional<paddle::Tensor>& top_k,
-    const paddle::optional<paddle::Tensor>& min_p,
-    const paddle::optional<paddle::Tensor>& uniforms,
-    const paddle::optional<paddle::Tensor>& allowed_bits,
-    const paddle::optional<paddle::Tensor>& stop_ids,
-    const paddle::optional<paddle::Tensor>& min_tokens,
-    const paddle::optional<paddle::Tensor>& step_idx,
-    const paddle::optional<paddle::Tensor>& output_ids,
-    const paddle::optional<paddle::Tensor>& bias_ids,
-    const paddle::optional<paddle::Tensor>& bias_values,
-    const paddle::optional<paddle::Tensor>& presence_penalty,
-    const paddle::optional<paddle::Tensor>& frequency_penalty,
-    const paddle::optional<paddle::Tensor>& repetition_penalty,
-    const paddle::optional<paddle::Tensor>& prompt_ids, int64_t top_logprobs);
+    const paddle::Tensor& top_p,
+    PADDLE_STEP_CPU_SAMPLE_OPTIONAL_TENSORS(
+        PADDLE_STEP_OPTIONAL_TENSOR_PARAMETER) int64_t top_logprobs);
 
 }  // namespace paddle_step
