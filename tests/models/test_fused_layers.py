@@ -7,13 +7,14 @@ to float32 rounding, for every weight format and instruction-set path."""
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import paddle
 import pytest
 
 from paddle_step.config import ModelConfig
-from paddle_step.layers.dense_blocks import ModelBlocks, padded_rows
+from paddle_step.layers.dense_blocks import LayerFusion, padded_rows
 from paddle_step.layers.paged_attention import PagedKVCache, build_flat_batch
 from paddle_step.models import llama
 from paddle_step.models.llama import LlamaForCausalLM
@@ -31,13 +32,18 @@ CONFIGS = {
 }  # fmt: skip
 
 
-def fused_steps(model, fused: bool, monkeypatch) -> tuple[np.ndarray, ...]:
-    """Three steps: prompts from position 0 (one row left empty); then a decode token,
-    a chunk of three prompt tokens, a new prompt and an empty row; then a decode token
-    each. Each step's logits, and the caches after the last."""
+STEP_TOKENS = ((9, 17, 0, 4), (1, 3, 6, 0), (1, 1, 1, 0))  # per row, in each step
+
+
+def fused_steps(model, fused: bool | None, monkeypatch) -> tuple[np.ndarray, ...]:
+    """Three steps (``STEP_TOKENS``): prompts from position 0 (one row left empty); then a
+    decode token, a chunk of three prompt tokens, a new prompt and an empty row; then a
+    decode token each. Layers fused or not (None: as ``fuse_layers`` says). Each step's
+    logits, and the caches after the last."""
     calls = []
     layer_op = llama.paddle_step_ops.cpu_decoder_layer
-    monkeypatch.setattr(ModelBlocks, "fuse_layers", lambda self, rows: fused)
+    if fused is not None:
+        monkeypatch.setattr(LayerFusion, "fuse_layers", lambda self, rows: fused)
 
     def counted_layer_op(*args, **kwargs):
         calls.append(1)
@@ -55,11 +61,12 @@ def fused_steps(model, fused: bool, monkeypatch) -> tuple[np.ndarray, ...]:
     cache = PagedKVCache.for_config(model.config, num_blocks=tables.size, block_size=block_size)
     starts = [0] * 4
     outputs = []
-    for step in (tokens(9, 17, 0, 4), tokens(1, 3, 6, 0), tokens(1, 1, 1, 0)):
+    for step in (tokens(*counts) for counts in STEP_TOKENS):
         batch = build_flat_batch(*slot_state(step, starts, width), tables, block_size)
         outputs.append(model.forward_paged(**batch, kv_cache=cache).numpy())
         starts = [start + len(row) for start, row in zip(starts, step)]
-    assert len(calls) == (3 * model.config.num_layers if fused else 0)
+    if fused is not None:
+        assert len(calls) == (3 * model.config.num_layers if fused else 0)
     return (*outputs, cache.key.numpy(), cache.value.numpy())
 
 
@@ -85,19 +92,97 @@ def test_fused_steps_match_the_blocks(isa_path, name, weight_format, monkeypatch
     assert_same_steps(fused_steps(model, True, monkeypatch), fused_steps(model, False, monkeypatch))
 
 
-def test_layers_fuse_only_where_both_blocks_run_the_op():
-    blocks = LlamaForCausalLM(ModelConfig(seed=1)).blocks
+def test_layers_fuse_where_both_blocks_run_the_op_or_where_timed_faster():
+    model = LlamaForCausalLM(ModelConfig(seed=1))
+    blocks, fusion = model.blocks, model.fusion
     for block in (blocks.attention_inputs, blocks.output_and_mlp):
         if "op" not in block.methods:
             pytest.skip("this build has no CPU op")
         block.choice.clear()
-    assert not blocks.fuse_layers(3)  # not measured yet
+    assert fusion.fuse_layers(3) is None  # to do: the blocks have not measured 3 rows yet
     rows_class = padded_rows(3)
     blocks.attention_inputs.choice[rows_class] = "op"
     blocks.output_and_mlp.choice[rows_class] = "eager"
-    assert not blocks.fuse_layers(3)
+    assert fusion.fuse_layers(3) is None  # to time, both ways
+    fusion.choice[rows_class] = False
+    assert fusion.fuse_layers(3) is False
+    fusion.choice[rows_class] = True
+    assert fusion.fuse_layers(3) is True
+    blocks.output_and_mlp.forced = "eager"
+    assert fusion.fuse_layers(3) is False  # forced to run the blocks
+    blocks.output_and_mlp.forced = None
     blocks.output_and_mlp.choice[rows_class] = "op"
-    assert blocks.fuse_layers(3)
+    fusion.choice[rows_class] = False
+    assert fusion.fuse_layers(3) is True  # the same products: no timing needed
+
+
+@pytest.mark.parametrize("fused_faster", [True, False])
+@pytest.mark.parametrize("blocks_measured", [True, False])
+def test_fusion_keeps_the_faster_and_computes_it_last(fused_faster, blocks_measured):
+    blocks = LlamaForCausalLM(ModelConfig(seed=1)).blocks
+    if "op" not in blocks.output_and_mlp.methods:
+        pytest.skip("this build has no CPU op")
+    fusion, calls = LayerFusion(blocks), []
+    for block in blocks:
+        block.choice.clear()
+
+    def way(name: str, seconds: float):
+        def run():
+            calls.append(name)
+            if name == "blocks":  # as the blocks' first call of a class would
+                for block in blocks:
+                    block.choice.setdefault(padded_rows(5), "eager")
+            time.sleep(seconds)
+            return name
+
+        return run
+
+    if blocks_measured:
+        way("blocks", 0)()
+        calls.clear()
+    fused = way("fused", 0.0 if fused_faster else 0.05)
+    slow_blocks = way("blocks", 0.05 if fused_faster else 0.0)
+    assert fusion.choose(5, slow_blocks, fused) == ("fused" if fused_faster else "blocks")
+    assert fusion.choice == {padded_rows(5): fused_faster}
+    expected = ["blocks", "fused"] if fused_faster else ["blocks", "fused", "blocks"]
+    assert calls == expected if blocks_measured else calls == ["blocks", *expected]
+
+
+def test_fusion_runs_fused_where_the_blocks_keep_our_op_on_their_first_call():
+    blocks = LlamaForCausalLM(ModelConfig(seed=1)).blocks
+    if "op" not in blocks.output_and_mlp.methods:
+        pytest.skip("this build has no CPU op")
+    fusion, calls = LayerFusion(blocks), []
+
+    def measured_blocks():
+        calls.append("blocks")
+        for block in blocks:
+            block.choice[padded_rows(7)] = "op"
+        return "blocks"
+
+    assert fusion.choose(7, measured_blocks, lambda: calls.append("fused") or "fused") == "fused"
+    assert calls == ["blocks", "fused"] and not fusion.choice  # nothing timed
+
+
+def test_a_step_times_both_ways_once_where_the_blocks_keep_another(monkeypatch):
+    """Blocks that keep ``eager`` for a class: its first step runs both ways and keeps one;
+    the steps' logits and caches equal the blocks' alone."""
+    model = LlamaForCausalLM(CONFIGS["biases-odd"])
+    if "op" not in model.blocks.output_and_mlp.methods:
+        pytest.skip("this build has no CPU op")
+    expected = fused_steps(model, False, monkeypatch)
+    monkeypatch.undo()
+    for block in model.blocks:
+        block.choice.update({padded_rows(sum(counts)): "eager" for counts in STEP_TOKENS})
+    timed = []
+    choose = LayerFusion.choose
+    monkeypatch.setattr(
+        LayerFusion, "choose", lambda self, *a: timed.append(a[0]) or choose(self, *a)
+    )
+    steps = fused_steps(model, None, monkeypatch)
+    assert timed == [sum(counts) for counts in STEP_TOKENS]
+    assert set(model.fusion.choice) == {padded_rows(t) for t in timed}
+    assert_same_steps(steps, expected)
 
 
 @pytest.mark.parametrize("weight_format", ["bfloat16", "int8"])
@@ -111,25 +196,26 @@ def test_fused_products_run_the_way_the_blocks_keep(weight_format, way, monkeypa
     monkeypatch.setenv("PADDLE_STEP_DENSE", way)
     config = ModelConfig(**{**CONFIGS["biases-odd"].__dict__, "weight_format": weight_format})
     model = LlamaForCausalLM(config)
-    assert model.blocks.fuse_layers(1)
-    assert model.blocks.op_path(1) == ("avx512" if way == "op_widened" else "")
+    assert model.fusion.fuse_layers(1)
+    assert model.fusion.op_path(1) == ("avx512" if way == "op_widened" else "")
     assert_same_steps(fused_steps(model, True, monkeypatch), fused_steps(model, False, monkeypatch))
 
 
 def test_layers_fuse_where_both_blocks_keep_the_same_op_way():
-    blocks = LlamaForCausalLM(ModelConfig(seed=1)).blocks
+    model = LlamaForCausalLM(ModelConfig(seed=1))
+    blocks, fusion = model.blocks, model.fusion
     rows_class = padded_rows(3)
     for first, second, fused in (
         ("op_widened", "op_widened", True),
-        ("op", "op_widened", False),
-        ("op_widened", "eager", False),
+        ("op", "op_widened", None),  # to time
+        ("op_widened", "eager", None),
     ):
         blocks.attention_inputs.choice[rows_class] = first
         blocks.output_and_mlp.choice[rows_class] = second
-        assert blocks.fuse_layers(3) is fused, (first, second)
-    assert blocks.op_path(3) == ""  # the blocks differ
+        assert fusion.fuse_layers(3) is fused, (first, second)
+    assert fusion.op_path(3) == ""  # the blocks differ
     blocks.output_and_mlp.choice[rows_class] = "op_widened"
-    assert blocks.op_path(3) == "avx512"
+    assert fusion.op_path(3) == "avx512"
 
 
 def test_prompt_tokens_without_a_slot_run_the_blocks(monkeypatch):
@@ -138,7 +224,7 @@ def test_prompt_tokens_without_a_slot_run_the_blocks(monkeypatch):
     model = LlamaForCausalLM(CONFIGS["llama-gqa"])
     calls = []
     layer_op = llama.paddle_step_ops.cpu_decoder_layer
-    monkeypatch.setattr(ModelBlocks, "fuse_layers", lambda self, rows: True)
+    monkeypatch.setattr(LayerFusion, "fuse_layers", lambda self, rows: True)
     monkeypatch.setattr(
         llama.paddle_step_ops, "cpu_decoder_layer", lambda *a: calls.append(1) or layer_op(*a)
     )

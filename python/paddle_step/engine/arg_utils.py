@@ -121,7 +121,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--explain-dense",
         action="store_true",
         help="print on stderr how each dense block runs for each row count (eager, the CPU "
-        "op or compiled: the fastest, timed the first time the row count appears)",
+        "op or compiled: the fastest, timed the first time the row count appears), and "
+        "where whole layers as one CPU call were timed against the blocks",
     )
     group.add_argument("--seed", type=int, default=0, help="sampling (and random weights)")
     group.add_argument(
@@ -270,7 +271,8 @@ def engine_config(args: argparse.Namespace, context_len: int) -> EngineConfig:
 
 
 def explain_dense() -> None:
-    """Shows the dense blocks' choices (``layers.dense_blocks`` logs them) on stderr."""
+    """Shows the dense blocks' and the layers' choices (``layers.dense_blocks`` logs them)
+    on stderr."""
     logger = logging.getLogger("paddle_step.layers.dense_blocks")
     if not any(getattr(h, "explains_dense", False) for h in logger.handlers):
         handler = logging.StreamHandler(sys.stderr)

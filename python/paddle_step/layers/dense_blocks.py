@@ -410,17 +410,66 @@ class ModelBlocks(NamedTuple):
         ways = {block.way_for(rows) for block in (self.attention_inputs, self.output_and_mlp)}
         return ways.pop() if len(ways) == 1 else None
 
-    def fuse_layers(self, rows: int) -> bool:
-        """Whether a layer's blocks over ``rows`` decode tokens may run as one CPU call
-        (``ops/cpu_decoder_layer.cc``): both run our op the same way for that many rows
-        (``op`` or ``op_widened``, measured or forced), on one rank (a tensor-parallel
-        shard all-reduces between products)."""
-        return self.attention_inputs.agree is None and self.layer_way(rows) in OP_WAYS
+
+class LayerFusion:
+    """Whether a step's layers run as one CPU call each (``ops/cpu_decoder_layer.cc``)
+    instead of ``blocks`` and a per-layer attention, per row count class. Where both blocks
+    keep a way of our op, the fused layer runs the same products with fewer crossings. Where
+    they keep another (oneDNN's compiled program for long prompts, say), the fused layer's
+    own products, threaded norms, rotary, SwiGLU and attention may still be faster: only
+    timing tells, so the first step of such a class runs both ways, once each, and the
+    faster is kept."""
+
+    def __init__(self, blocks: ModelBlocks) -> None:
+        self.blocks = blocks
+        self.choice: dict[int, bool] = {}  # padded row count -> fused
+
+    def fuse_layers(self, rows: int) -> bool | None:
+        """Whether a layer over ``rows`` tokens runs as one CPU call, on one rank (a
+        tensor-parallel shard all-reduces between products) where both dense blocks can
+        run our op: yes where both keep the same way of it (measured or forced); no where
+        they are forced another way; else as timed, None while that is still to do
+        (``choose``)."""
+        dense = (self.blocks.attention_inputs, self.blocks.output_and_mlp)
+        if dense[0].agree is not None or any("op" not in block.methods for block in dense):
+            return False
+        if self.blocks.layer_way(rows) in OP_WAYS:
+            return True
+        if any(block.forced for block in dense):
+            return False
+        return self.choice.get(padded_rows(rows))
 
     def op_path(self, rows: int) -> str:
         """The op's path for a fused layer's products over ``rows`` rows: ``WIDENED_ISA``
         where the blocks keep ``op_widened``, else "" (the process's path)."""
-        return WIDENED_ISA if self.layer_way(rows) == "op_widened" else ""
+        return WIDENED_ISA if self.blocks.layer_way(rows) == "op_widened" else ""
+
+    def choose(
+        self, rows: int, blocks: Callable[[], paddle.Tensor], fused: Callable[[], paddle.Tensor]
+    ) -> paddle.Tensor:
+        """A step's hidden states over ``rows`` tokens where ``fuse_layers`` is None:
+        ``blocks()`` once more if the blocks have not measured the class yet (they time
+        their ways on that call) and ``fused()`` if they then keep our op; else both timed,
+        once each (both write the same cache slots), the faster kept for the class and
+        its result returned, computed last so that the cache holds its K/V."""
+        dense = (self.blocks.attention_inputs, self.blocks.output_and_mlp)
+        if any(block.way_for(rows) is None for block in dense):
+            hidden = blocks()
+            if self.fuse_layers(rows) is not None:
+                return fused() if self.fuse_layers(rows) else hidden
+        timings = {}
+        for fuse, run in ((False, blocks), (True, fused)):
+            started = time.perf_counter()
+            hidden = run()
+            timings[fuse] = time.perf_counter() - started
+        fuse = timings[True] < timings[False]
+        rows_class = padded_rows(rows)
+        self.choice[rows_class] = fuse
+        logger.info(
+            "layers, %d rows: blocks %.3f ms, fused %.3f ms -> %s", rows_class,
+            timings[False] * 1e3, timings[True] * 1e3, "fused" if fuse else "blocks",
+        )  # fmt: skip
+        return hidden if fuse else blocks()
 
 
 def model_blocks(config: ModelConfig, all_reduce: AllReduceFn | None = None) -> ModelBlocks:

@@ -33,6 +33,7 @@ from ..layers import cpu_linear
 from ..layers.dense_blocks import (
     AllReduceFn,
     DenseWeight,
+    LayerFusion,
     ModelBlocks,
     check_packed_weights_run,
     model_blocks,
@@ -228,7 +229,7 @@ class DecoderLayer(nn.Layer):
         """``forward`` as one call of our CPU op, which writes the step's K/V into layer
         ``index`` of ``step.kv_cache`` and then attends through each token's block-table
         row (a token at position p sees the cache's keys 0..p, its own step's among them):
-        for a float32 cache with ``uses_cpu_ops`` and blocks that ``fuse_layers``."""
+        for a float32 cache with ``uses_cpu_ops`` and ``LayerFusion.fuse_layers``."""
         w_qkv, qkv_bias, w_o, w_gate_up, w_down = self._dense_weights()
         cfg = self.config
 
@@ -306,6 +307,7 @@ class LlamaForCausalLM(nn.Layer):
         if config.weight_format is not None:
             check_packed_weights_run(config.weight_format)
         self.blocks = model_blocks(config, all_reduce)
+        self.fusion = LayerFusion(self.blocks)
         consumed = set()
 
         def parameter(name: str, shape: list[int], draw: Draw) -> paddle.Tensor:
@@ -534,17 +536,45 @@ class LlamaForCausalLM(nn.Layer):
         """
         layout = PrefillLayout(positions.numpy(), token_rows.numpy())
         tokens = positions.shape[0]
-        if (
+        fuse = (
             kv_cache.uses_cpu_ops
             and self.config.dtype == "float32"
-            and self.blocks.fuse_layers(tokens)
             # Prompt tokens attend through the cache too: each must have its slot.
-            and (layout.decode_tokens.size == tokens or (slot_mapping.numpy() >= 0).all())
-        ):
-            fused = FusedStep(kv_cache, slot_mapping, block_tables, token_rows, positions,
-                              self.blocks.op_path(tokens))  # fmt: skip
-            hidden = self._run_layers(input_ids, positions, None, fused)
-            return self._logits_of(hidden, last_token_index, extra_index)
+            and (layout.decode_tokens.size == tokens or bool((slot_mapping.numpy() >= 0).all()))
+            and self.fusion.fuse_layers(tokens)
+        )
+
+        def fused() -> paddle.Tensor:
+            step = FusedStep(kv_cache, slot_mapping, block_tables, token_rows, positions,
+                             self.fusion.op_path(tokens))  # fmt: skip
+            return self._run_layers(input_ids, positions, None, step)
+
+        def blocks() -> paddle.Tensor:
+            return self._hidden_through_blocks(
+                layout, input_ids, positions, slot_mapping, token_rows, block_tables,
+                max_context_len, kv_cache,
+            )  # fmt: skip
+
+        if fuse is None:
+            hidden = self.fusion.choose(tokens, blocks, fused)
+        else:
+            hidden = fused() if fuse else blocks()
+        return self._logits_of(hidden, last_token_index, extra_index)
+
+    def _hidden_through_blocks(
+        self,
+        layout: PrefillLayout,
+        input_ids: paddle.Tensor,
+        positions: paddle.Tensor,
+        slot_mapping: paddle.Tensor,
+        token_rows: paddle.Tensor,
+        block_tables: paddle.Tensor,
+        max_context_len: int,
+        kv_cache: PagedKVCache,
+    ) -> paddle.Tensor:
+        """``forward_paged``'s hidden states through the dense blocks and a per-layer
+        attention: over the step's own K/V for prompts from position 0, over keys read
+        back from the cache for prompt chunks and decode tokens."""
         kept_slots = KeptSlots(slot_mapping)
         cfg = self.config
         groups = cfg.num_heads // cfg.num_kv_heads
@@ -626,8 +656,7 @@ class LlamaForCausalLM(nn.Layer):
 
             return attend
 
-        hidden = self._run_layers(input_ids, positions, paged_attention_for)
-        return self._logits_of(hidden, last_token_index, extra_index)
+        return self._run_layers(input_ids, positions, paged_attention_for)
 
     def _logits_of(
         self,
