@@ -95,14 +95,9 @@ void AdvanceStep(
     params.num_queries = num_queries;
     params.blocks_per_seq = block_tables.dims()[1];
     params.block_size = block_size;
-    if (input_tokens.is_cpu()) {
-      AdvanceStepCpu(params);
-      return;
-    }
-#ifdef PADDLE_STEP_WITH_CUDA
-    ThrowIfLaunchFailed("advance_step",
-                        LaunchAdvanceStep(params, input_tokens.stream()));
-#endif
+    RunOnPlace(
+        "advance_step", input_tokens, [&] { AdvanceStepCpu(params); },
+        [&](auto stream) { return LaunchAdvanceStep(params, stream); });
   };
   const bool seq_lens_int64 = seq_lens.dtype() == paddle::DataType::INT64;
   const bool tables_int64 = block_tables.dtype() == paddle::DataType::INT64;

@@ -95,14 +95,9 @@ void StepPaddle(PADDLE_STEP_STEP_PADDLE_TENSORS(PADDLE_STEP_TENSOR_PARAMETER)
   params.block_size = block_size;
   params.max_dec_blocks = params.input_ids_len / block_size;
 
-  if (stop_flags.is_cpu()) {
-    StepPaddleCpu(params);
-    return;
-  }
-#ifdef PADDLE_STEP_WITH_CUDA
-  ThrowIfLaunchFailed("step_paddle",
-                      LaunchStepPaddle(params, stop_flags.stream()));
-#endif
+  RunOnPlace(
+      "step_paddle", stop_flags, [&] { StepPaddleCpu(params); },
+      [&](auto stream) { return LaunchStepPaddle(params, stream); });
 }
 
 }  // namespace paddle_step

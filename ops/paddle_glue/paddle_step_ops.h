@@ -23,6 +23,22 @@ using TensorArgument =
 #define PADDLE_STEP_TENSOR_PARAMETER(name, type, shape, access) \
   TensorArgument<Access::access> name,
 
+// Runs an op's kernel where `on` lies (SamePlace has checked: the CPU, or a
+// GPU in a CUDA build): `cpu()`, or the CUDA launch `launch(stream)` on the
+// tensor's stream, a failed launch raised as op_name's. `launch` is a generic
+// lambda: a CPU build, which declares no launcher, never instantiates it.
+template <typename Cpu, typename Launch>
+void RunOnPlace([[maybe_unused]] const char* op_name, const paddle::Tensor& on,
+                Cpu cpu, [[maybe_unused]] Launch launch) {
+  if (on.is_cpu()) {
+    cpu();
+    return;
+  }
+#ifdef PADDLE_STEP_WITH_CUDA
+  ThrowIfLaunchFailed(op_name, launch(on.stream()));
+#endif
+}
+
 // The dtype and shape checks alone, on views of the tensors in the op's
 // input order (advance_step: 6, or 7 with `active`). Static mode runs them
 // from Python while the program is built: an exception thrown by a kernel
