@@ -173,6 +173,11 @@ def _args(**changes):
         ({"block_size": 5}, "argument 'block_size': expected a divisor of the cache's 12"),
         ({"block_tables": paddle.to_tensor([[0, 3], [1, -1]], dtype="int32")},
          "argument 'block_tables': expected block ids < 3"),
+        ({"q": paddle.zeros([3, 4, 8]), "rows": paddle.to_tensor([0, 0, 1]),
+          "positions": paddle.to_tensor([1, 2, 1]),
+          "block_tables": paddle.to_tensor([[0, 2], [1, 3]], dtype="int32")},
+         "argument 'block_tables': expected block ids < 3 (the cache's blocks) or negative "
+         "(unused), got 3 in row 1"),  # tokens of one row share their table's check
         ({"rows": paddle.to_tensor([0, 2])}, "argument 'rows': expected entries in [0, 2)"),
         ({"positions": paddle.to_tensor([5, -1])}, "argument 'positions': expected entries >= 0"),
         ({"rows": paddle.to_tensor([0, 1], dtype="int32")},

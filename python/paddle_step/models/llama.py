@@ -226,10 +226,11 @@ class DecoderLayer(nn.Layer):
         index: int,
         step: FusedStep,
     ) -> paddle.Tensor:
-        """``forward`` as one call of our CPU op, which writes the step's K/V into layer
-        ``index`` of ``step.kv_cache`` and then attends through each token's block-table
-        row (a token at position p sees the cache's keys 0..p, its own step's among them):
-        for a float32 cache with ``uses_cpu_ops`` and ``LayerFusion.fuse_layers``."""
+        """``forward`` as one call of our CPU op (``rope``: [T, head_dim] each), which
+        writes the step's K/V into layer ``index`` of ``step.kv_cache`` and then attends
+        through each token's block-table row (a token at position p sees the cache's keys
+        0..p, its own step's among them): for a float32 cache with ``uses_cpu_ops`` and
+        ``LayerFusion.fuse_layers``."""
         w_qkv, qkv_bias, w_o, w_gate_up, w_down = self._dense_weights()
         cfg = self.config
 
@@ -241,9 +242,9 @@ class DecoderLayer(nn.Layer):
         return paddle_step_ops.cpu_decoder_layer(
             x, self.attn_norm.weight, product(w_qkv, qkv_bias), product(w_o, self.o_bias),
             self.mlp_norm.weight, product(w_gate_up), product(w_down), cfg.num_heads,
-            cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps, cos.reshape([-1, cfg.head_dim]),
-            sin.reshape([-1, cfg.head_dim]), step.kv_cache.key, step.kv_cache.value, index,
-            step.slots, step.block_tables, step.rows, step.positions, step.kv_cache.block_size,
+            cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps, cos, sin, step.kv_cache.key,
+            step.kv_cache.value, index, step.slots, step.block_tables, step.rows,
+            step.positions, step.kv_cache.block_size,
         )  # fmt: skip
 
 
@@ -389,6 +390,8 @@ class LlamaForCausalLM(nn.Layer):
         else:
             x = cpu_linear.columns(self._embedding.packed, input_ids)
         rope = self._rope(positions)
+        if fused is not None:  # the op takes [T, head_dim]: reshaped once, not per layer
+            rope = tuple(t.reshape([-1, self.config.head_dim]) for t in rope)
         for index, layer in enumerate(self.layers):
             if fused is not None:
                 x = layer.forward_fused(x, rope, index, fused)
