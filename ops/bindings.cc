@@ -60,6 +60,31 @@ pybind11::list StepPaddleTensorTable() {
   return table;
 }
 
+// Argument `name` of `op` is a tuple of `size` items, or a ValueError names
+// what its items are.
+void CheckItemCount(const char* op, const char* name,
+                    const pybind11::tuple& tuple, size_t size,
+                    const char* items) {
+  if (tuple.size() != size) {
+    throw std::invalid_argument(std::string(op) + ": argument '" + name +
+                                "': expected (" + items + "), got a tuple of " +
+                                std::to_string(tuple.size()));
+  }
+}
+
+// (key_cache, value_cache, layer, block_tables, rows, positions, block_size):
+// PagedKVCache.view's tuple (layers/paged_attention.py).
+paddle_step::PagedKvView PagedKvViewOf(const char* op,
+                                       const pybind11::tuple& cache) {
+  CheckItemCount(op, "cache", cache, 7,
+        "key_cache, value_cache, layer, block_tables, rows, positions, "
+        "block_size");
+  return {cache[0].cast<paddle::Tensor>(), cache[1].cast<paddle::Tensor>(),
+          cache[2].cast<int64_t>(),        cache[3].cast<paddle::Tensor>(),
+          cache[4].cast<paddle::Tensor>(), cache[5].cast<paddle::Tensor>(),
+          cache[6].cast<int64_t>()};
+}
+
 // (weights, scales or None, bias or None, n, group_size[, isa]): a product as
 // layers/cpu_linear.py describes it, and the path it runs on ("" or left out:
 // the process's).
@@ -73,6 +98,37 @@ paddle_step::PackedLinear PackedLinearOf(const pybind11::tuple& linear) {
           OptionalTensor(linear[2]), linear[3].cast<int64_t>(),
           linear[4].cast<int64_t>(),
           linear.size() == 6 ? linear[5].cast<std::string>() : std::string()};
+}
+
+// (attn_norm, qkv, o, mlp_norm, gate_up, down): norms as tensors, products as
+// PackedLinearOf takes them.
+paddle_step::DecoderLayerWeights DecoderLayerWeightsOf(
+    const pybind11::tuple& weights) {
+  CheckItemCount("cpu_decoder_layer", "weights", weights, 6,
+        "attn_norm, qkv, o, mlp_norm, gate_up, down");
+  return {weights[0].cast<paddle::Tensor>(),
+          PackedLinearOf(weights[1].cast<pybind11::tuple>()),
+          PackedLinearOf(weights[2].cast<pybind11::tuple>()),
+          weights[3].cast<paddle::Tensor>(),
+          PackedLinearOf(weights[4].cast<pybind11::tuple>()),
+          PackedLinearOf(weights[5].cast<pybind11::tuple>())};
+}
+
+// (heads, kv_heads, head_dim, eps).
+paddle_step::DecoderLayerShape DecoderLayerShapeOf(
+    const pybind11::tuple& shape) {
+  CheckItemCount("cpu_decoder_layer", "shape", shape, 4,
+        "heads, kv_heads, head_dim, eps");
+  return {shape[0].cast<int64_t>(), shape[1].cast<int64_t>(),
+          shape[2].cast<int64_t>(), shape[3].cast<double>()};
+}
+
+// (cos, sin, slots, cache): cache as PagedKvViewOf takes it.
+paddle_step::DecoderLayerStep DecoderLayerStepOf(const pybind11::tuple& step) {
+  CheckItemCount("cpu_decoder_layer", "step", step, 4, "cos, sin, slots, cache");
+  return {step[0].cast<paddle::Tensor>(), step[1].cast<paddle::Tensor>(),
+          step[2].cast<paddle::Tensor>(),
+          PagedKvViewOf("cpu_decoder_layer", step[3].cast<pybind11::tuple>())};
 }
 
 }  // namespace
@@ -149,41 +205,27 @@ PYBIND11_MODULE(paddle_step_ops, module) {
              pybind11::arg("key_cache"), pybind11::arg("value_cache"),
              pybind11::arg("layer"), pybind11::arg("slots"), pybind11::arg("k"),
              pybind11::arg("v"));
-  module.def("cpu_decode_attention", &paddle_step::CpuDecodeAttention,
-             pybind11::arg("q"), pybind11::arg("key_cache"),
-             pybind11::arg("value_cache"), pybind11::arg("layer"),
-             pybind11::arg("block_tables"), pybind11::arg("rows"),
-             pybind11::arg("positions"), pybind11::arg("block_size"),
-             pybind11::arg("scale"));
+  module.def(
+      "cpu_decode_attention",
+      [](const paddle::Tensor& q, const pybind11::tuple& cache, double scale) {
+        return paddle_step::CpuDecodeAttention(
+            q, PagedKvViewOf("cpu_decode_attention", cache), scale);
+      },
+      pybind11::arg("q"), pybind11::arg("cache"), pybind11::arg("scale"));
   module.def(
       "cpu_decoder_layer",
-      [](const paddle::Tensor& x, const paddle::Tensor& attn_norm,
-         const pybind11::tuple& qkv, const pybind11::tuple& o,
-         const paddle::Tensor& mlp_norm, const pybind11::tuple& gate_up,
-         const pybind11::tuple& down, int64_t heads, int64_t kv_heads,
-         int64_t head_dim, double eps, const paddle::Tensor& cos,
-         const paddle::Tensor& sin, paddle::Tensor& key_cache,
-         paddle::Tensor& value_cache, int64_t layer,
-         const paddle::Tensor& slots, const paddle::Tensor& block_tables,
-         const paddle::Tensor& rows, const paddle::Tensor& positions,
-         int64_t block_size) {
-        const paddle_step::DecoderLayerWeights weights{
-            attn_norm, PackedLinearOf(qkv), PackedLinearOf(o), mlp_norm,
-            PackedLinearOf(gate_up), PackedLinearOf(down)};
-        return paddle_step::CpuDecoderLayer(
-            x, weights, heads, kv_heads, head_dim, eps, cos, sin, key_cache,
-            value_cache, layer, slots, block_tables, rows, positions,
-            block_size);
+      [](const paddle::Tensor& x, const pybind11::tuple& weights,
+         const pybind11::tuple& shape, const pybind11::tuple& step) {
+        // One statement each, so the tuples are read (and a bad one named) in
+        // a fixed order: C++ leaves the order of a call's arguments open.
+        const auto layer_shape = DecoderLayerShapeOf(shape);
+        const auto layer_step = DecoderLayerStepOf(step);
+        const auto layer_weights = DecoderLayerWeightsOf(weights);
+        return paddle_step::CpuDecoderLayer(x, layer_weights, layer_shape,
+                                            layer_step);
       },
-      pybind11::arg("x"), pybind11::arg("attn_norm"), pybind11::arg("qkv"),
-      pybind11::arg("o"), pybind11::arg("mlp_norm"), pybind11::arg("gate_up"),
-      pybind11::arg("down"), pybind11::arg("heads"), pybind11::arg("kv_heads"),
-      pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("cos"),
-      pybind11::arg("sin"), pybind11::arg("key_cache"),
-      pybind11::arg("value_cache"), pybind11::arg("layer"),
-      pybind11::arg("slots"), pybind11::arg("block_tables"),
-      pybind11::arg("rows"), pybind11::arg("positions"),
-      pybind11::arg("block_size"));
+      pybind11::arg("x"), pybind11::arg("weights"), pybind11::arg("shape"),
+      pybind11::arg("step"));
   module.def(
       "cpu_sample",
       [](const paddle::Tensor& logits, const paddle::Tensor& temperature,

@@ -91,17 +91,14 @@ paddle::Tensor Columns(const paddle::Tensor& qkv, int64_t first, int64_t count,
 
 paddle::Tensor CpuDecoderLayer(const paddle::Tensor& x,
                                const DecoderLayerWeights& weights,
-                               int64_t heads, int64_t kv_heads,
-                               int64_t head_dim, double eps,
-                               const paddle::Tensor& cos,
-                               const paddle::Tensor& sin,
-                               paddle::Tensor& key_cache,
-                               paddle::Tensor& value_cache, int64_t layer,
-                               const paddle::Tensor& slots,
-                               const paddle::Tensor& block_tables,
-                               const paddle::Tensor& rows,
-                               const paddle::Tensor& positions,
-                               int64_t block_size) {
+                               const DecoderLayerShape& shape,
+                               const DecoderLayerStep& step) {
+  // Plain copies: lambdas below capture them (C++17 cannot capture bindings).
+  const int64_t heads = shape.heads, kv_heads = shape.kv_heads;
+  const int64_t head_dim = shape.head_dim;
+  const double eps = shape.eps;
+  const paddle::Tensor& cos = step.cos;
+  const paddle::Tensor& sin = step.sin;
   CheckFloatMatrix("x", x, {-1, -1});
   const int64_t tokens = x.dims()[0];
   const int64_t hidden = x.dims()[1];
@@ -146,12 +143,13 @@ paddle::Tensor CpuDecoderLayer(const paddle::Tensor& x,
                     sin.data<float>() + first * head_dim);
   });
   const auto q = Columns(qkv, 0, heads, head_dim);
-  CpuWriteKv(key_cache, value_cache, layer, slots,
+  paddle::Tensor key_cache = step.cache.key_cache;  // handles: written in place
+  paddle::Tensor value_cache = step.cache.value_cache;
+  CpuWriteKv(key_cache, value_cache, step.cache.layer, step.slots,
              Columns(qkv, heads, kv_heads, head_dim),
              Columns(qkv, heads + kv_heads, kv_heads, head_dim));
   auto attention =
-      CpuDecodeAttention(q, key_cache, value_cache, layer, block_tables, rows,
-                         positions, block_size, 1.0 / std::sqrt(head_dim));
+      CpuDecodeAttention(q, step.cache, 1.0 / std::sqrt(head_dim));
 
   auto residual = Product(attention, weights.o);  // x + o(attention)
   AddRows(residual.data<float>(), x.data<float>(), tokens, hidden);

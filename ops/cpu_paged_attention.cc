@@ -147,13 +147,14 @@ void CpuWriteKv(paddle::Tensor& key_cache, paddle::Tensor& value_cache,
 }
 
 paddle::Tensor CpuDecodeAttention(const paddle::Tensor& q,
-                                  const paddle::Tensor& key_cache,
-                                  const paddle::Tensor& value_cache,
-                                  int64_t layer,
-                                  const paddle::Tensor& block_tables,
-                                  const paddle::Tensor& rows,
-                                  const paddle::Tensor& positions,
-                                  int64_t block_size, double scale) {
+                                  const PagedKvView& cache, double scale) {
+  const paddle::Tensor& key_cache = cache.key_cache;
+  const paddle::Tensor& value_cache = cache.value_cache;
+  const paddle::Tensor& block_tables = cache.block_tables;
+  const paddle::Tensor& rows = cache.rows;
+  const paddle::Tensor& positions = cache.positions;
+  const int64_t layer = cache.layer;
+  const int64_t block_size = cache.block_size;
   const CacheShape shape = CheckCaches(key_cache, value_cache, layer);
   const TensorView q_view = ViewOf(q);
   kCheck.Dtype("q", q_view, {key_cache.dtype()});

@@ -1,4 +1,4 @@
-// Decode attention from the paged KV cache and the cache write on Paddle CPU
+// Attention through the paged KV cache and the cache write on Paddle CPU
 // tensors (ops/cpu_paged_attention.cc), bound by the pybind11 fast path
 // (bindings.cc). The kernels are ops/include/cpu_paged_attention_kernel.h.
 #pragma once
@@ -17,17 +17,24 @@ void CpuWriteKv(paddle::Tensor& key_cache, paddle::Tensor& value_cache,
                 int64_t layer, const paddle::Tensor& slots,
                 const paddle::Tensor& k, const paddle::Tensor& v);
 
-// Attention of decode tokens q [T, heads, head_dim] over their sequences' keys
-// in layer `layer` of the caches: token t reads block-table row rows[t] of
-// block_tables ([B, M] int32 or int64) at positions 0..positions[t] ([T]
-// int64). Returns [T, heads * head_dim] in q's dtype.
+// Where a step's tokens find their keys and values: layer `layer` of
+// key_cache / value_cache ([layers, num_slots, kv_heads, head_dim], float32 or
+// float64); token t reads block-table row rows[t] of block_tables ([B, M]
+// int32 or int64) at positions 0..positions[t] ([T] int64 each), block_size
+// slots a block.
+struct PagedKvView {
+  paddle::Tensor key_cache;
+  paddle::Tensor value_cache;
+  int64_t layer = 0;
+  paddle::Tensor block_tables;
+  paddle::Tensor rows;
+  paddle::Tensor positions;
+  int64_t block_size = 0;
+};
+
+// Attention of tokens q [T, heads, head_dim] over their keys in `cache`,
+// scores scaled by `scale`. Returns [T, heads * head_dim] in q's dtype.
 paddle::Tensor CpuDecodeAttention(const paddle::Tensor& q,
-                                  const paddle::Tensor& key_cache,
-                                  const paddle::Tensor& value_cache,
-                                  int64_t layer,
-                                  const paddle::Tensor& block_tables,
-                                  const paddle::Tensor& rows,
-                                  const paddle::Tensor& positions,
-                                  int64_t block_size, double scale);
+                                  const PagedKvView& cache, double scale);
 
 }  // namespace paddle_step

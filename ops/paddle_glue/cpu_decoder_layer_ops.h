@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 
+#include "cpu_attention_ops.h"
 #include "paddle/extension.h"
 
 namespace paddle_step {
@@ -28,24 +29,32 @@ struct DecoderLayerWeights {
   PackedLinear down;         // [intermediate, hidden]
 };
 
+// A layer's head counts, head size and RMSNorm epsilon.
+struct DecoderLayerShape {
+  int64_t heads = 0;
+  int64_t kv_heads = 0;
+  int64_t head_dim = 0;
+  double eps = 0.0;
+};
+
+// A step's tokens as a layer sees them: rotary tables cos, sin ([T, head_dim],
+// rotate-half layout), the cache slot each token's K/V goes to (slots [T]
+// int64, -1: none), and where the tokens read their keys (`cache`).
+struct DecoderLayerStep {
+  paddle::Tensor cos;
+  paddle::Tensor sin;
+  paddle::Tensor slots;
+  PagedKvView cache;
+};
+
 // x float32 [T, hidden] (a step's tokens) through RMSNorm, the fused q/k/v
-// product, rotary embedding (cos, sin [T, head_dim], rotate-half layout), the
-// K/V write at `slots` of layer `layer` of the caches, attention over each
-// token's block-table row (CpuDecodeAttention: a token at position p sees the
-// cache's keys 0..p, its own step's included), the output product and its
-// residual, RMSNorm, SwiGLU and its residual: float32 [T, hidden].
+// product, rotary embedding, the K/V write at the step's slots, attention
+// (CpuDecodeAttention: a token at position p sees the cache's keys 0..p, its
+// own step's included), the output product and its residual, RMSNorm, SwiGLU
+// and its residual: float32 [T, hidden].
 paddle::Tensor CpuDecoderLayer(const paddle::Tensor& x,
                                const DecoderLayerWeights& weights,
-                               int64_t heads, int64_t kv_heads,
-                               int64_t head_dim, double eps,
-                               const paddle::Tensor& cos,
-                               const paddle::Tensor& sin,
-                               paddle::Tensor& key_cache,
-                               paddle::Tensor& value_cache, int64_t layer,
-                               const paddle::Tensor& slots,
-                               const paddle::Tensor& block_tables,
-                               const paddle::Tensor& rows,
-                               const paddle::Tensor& positions,
-                               int64_t block_size);
+                               const DecoderLayerShape& shape,
+                               const DecoderLayerStep& step);
 
 }  // namespace paddle_step

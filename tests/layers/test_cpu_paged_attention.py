@@ -70,9 +70,10 @@ def test_float32_matches_reference(float_isa_path, shape, table_dtype):
     block_size, scale = shape[3], 1 / math.sqrt(shape[2])
     for layer in (0, 1):
         out = paddle_step_ops.cpu_decode_attention(
-            paddle.to_tensor(q), paddle.to_tensor(key), paddle.to_tensor(value), layer,
-            paddle.to_tensor(tables), paddle.to_tensor(rows), paddle.to_tensor(positions),
-            block_size, scale,
+            paddle.to_tensor(q),
+            (paddle.to_tensor(key), paddle.to_tensor(value), layer, paddle.to_tensor(tables),
+             paddle.to_tensor(rows), paddle.to_tensor(positions), block_size),
+            scale,
         ).numpy()  # fmt: skip
         expected = reference_attention(q, key[layer], value[layer], tables, rows, positions,
                                        block_size, scale)  # fmt: skip
@@ -87,9 +88,10 @@ def test_float64_matches_reference(shape):
     q, key, value, tables, rows, positions = random_case(rng, shape, np.float64, np.int64)
     block_size, scale = shape[3], 1 / math.sqrt(shape[2])
     out = paddle_step_ops.cpu_decode_attention(
-        paddle.to_tensor(q), paddle.to_tensor(key), paddle.to_tensor(value), 1,
-        paddle.to_tensor(tables), paddle.to_tensor(rows), paddle.to_tensor(positions),
-        block_size, scale,
+        paddle.to_tensor(q),
+        (paddle.to_tensor(key), paddle.to_tensor(value), 1, paddle.to_tensor(tables),
+         paddle.to_tensor(rows), paddle.to_tensor(positions), block_size),
+        scale,
     ).numpy()  # fmt: skip
     expected = reference_attention(q, key[1], value[1], tables, rows, positions, block_size,
                                    scale)  # fmt: skip
@@ -109,7 +111,7 @@ def test_paths_and_thread_counts_agree_closely():
                 cpu_linear.set_num_threads(count)
                 with on_isa(isa):
                     results[isa, count] = paddle_step_ops.cpu_decode_attention(
-                        q, key, value, 0, tables, rows, positions, 16, 0.125
+                        q, (key, value, 0, tables, rows, positions, 16), 0.125
                     ).numpy()
     finally:
         cpu_linear.set_num_threads(threads)
@@ -146,6 +148,11 @@ def test_write_kv_takes_strided_views():
     cache.write(0, paddle.to_tensor([3, 1]), k, v)
     np.testing.assert_array_equal(cache.key.numpy()[0, [3, 1], 0], kv.numpy()[:, 0])
     np.testing.assert_array_equal(cache.value.numpy()[0, [3, 1], 0], kv.numpy()[:, 1])
+
+
+# The cache view's items (PagedKVCache.view), in order.
+CACHE_VIEW = ("key_cache", "value_cache", "layer", "block_tables", "rows", "positions",
+              "block_size")  # fmt: skip
 
 
 def _args(**changes):
@@ -188,8 +195,22 @@ def _args(**changes):
 )  # fmt: skip
 def test_decode_attention_names_a_bad_argument(changes, message):
     with pytest.raises(ValueError) as error:
-        paddle_step_ops.cpu_decode_attention(**_args(**changes))
+        args = _args(**changes)
+        cache = [args[name] for name in CACHE_VIEW]
+        paddle_step_ops.cpu_decode_attention(args["q"], tuple(cache), args["scale"])
     assert message in str(error.value)
+
+
+def test_decode_attention_names_a_short_cache_view():
+    args = _args()
+    with pytest.raises(
+        ValueError,
+        match=r"argument 'cache': expected \(key_cache, value_cache, "
+        r"layer, block_tables, rows, positions, block_size\), got a tuple of 6",
+    ):
+        paddle_step_ops.cpu_decode_attention(
+            args["q"], tuple(args[name] for name in CACHE_VIEW[:-1]), 1.0
+        )
 
 
 def test_write_kv_names_a_bad_slot():

@@ -238,3 +238,28 @@ def test_prompt_tokens_without_a_slot_run_the_blocks(monkeypatch):
     assert not calls
     expected = model.forward_naive(prompts[1:]).numpy()[0]
     np.testing.assert_allclose(logits[1], expected, rtol=1e-4, atol=1e-5)
+
+
+def _dummy_step(cache_items: int = 7) -> tuple:
+    """A step tuple of the right form (the binding only unpacks it)."""
+    t = paddle.zeros([1])
+    return (t, t, t, (t, t, 0, t, t, t, 4)[:cache_items])
+
+
+@pytest.mark.parametrize(
+    "weights, shape, step, message",
+    [
+        ((), (1, 1, 2), (), "argument 'shape': expected (heads, kv_heads, head_dim, eps), "
+                            "got a tuple of 3"),
+        ((), (1, 1, 2, 1e-6), (1, 2), "argument 'step': expected (cos, sin, slots, cache), "
+                                      "got a tuple of 2"),
+        ((), (1, 1, 2, 1e-6), _dummy_step(6), "argument 'cache': expected (key_cache, "
+         "value_cache, layer, block_tables, rows, positions, block_size), got a tuple of 6"),
+        ((), (1, 1, 2, 1e-6), _dummy_step(), "argument 'weights': expected (attn_norm, qkv, "
+                                             "o, mlp_norm, gate_up, down), got a tuple of 0"),
+    ],
+)  # fmt: skip
+def test_layer_op_names_a_tuple_of_the_wrong_size(weights, shape, step, message):
+    with pytest.raises(ValueError) as error:
+        llama.paddle_step_ops.cpu_decoder_layer(paddle.zeros([1, 4]), weights, shape, step)
+    assert f"cpu_decoder_layer: {message}" in str(error.value)

@@ -134,6 +134,19 @@ class PagedKVCache:
         v = paddle.gather(self.value[layer].reshape([-1, head_dim]), flat)
         return k.reshape([*rows.shape, head_dim]), v.reshape([*rows.shape, head_dim])
 
+    def view(
+        self,
+        layer: int,
+        block_tables: paddle.Tensor,
+        rows: paddle.Tensor,
+        positions: paddle.Tensor,
+    ) -> tuple:
+        """Where tokens find their keys in ``layer``, as our CPU ops take it: token t reads
+        row ``rows[t]`` of ``block_tables`` at positions ``0 .. positions[t]`` (columns past
+        the table or holding -1 have no key). Only for a cache with ``uses_cpu_ops``."""
+        return (self.key, self.value, layer, _dense(block_tables), rows, positions,
+                self.block_size)  # fmt: skip
+
     def decode_attention(
         self,
         layer: int,
@@ -143,14 +156,11 @@ class PagedKVCache:
         positions: paddle.Tensor,
         scale: float,
     ) -> paddle.Tensor:
-        """Attention of decode tokens ``q`` [T, heads, head_dim] over their own sequences'
-        keys in ``layer``: token t reads row ``rows[t]`` of ``block_tables`` at positions
-        ``0 .. positions[t]`` (columns past the table or holding -1 have no key). Returns
-        [T, heads * head_dim]. Only for a cache with ``uses_cpu_ops``."""
+        """Attention of tokens ``q`` [T, heads, head_dim] over their own sequences' keys
+        (``view``). Returns [T, heads * head_dim]."""
         return _library.cpu_decode_attention(
-            _dense(q), self.key, self.value, layer, _dense(block_tables), rows, positions,
-            self.block_size, scale,
-        )  # fmt: skip
+            _dense(q), self.view(layer, block_tables, rows, positions), scale
+        )
 
 
 def slots_through_table(

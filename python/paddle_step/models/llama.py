@@ -238,13 +238,13 @@ class DecoderLayer(nn.Layer):
             packed = weight.packed
             return (packed.weights, packed.scales, bias, packed.n, packed.group_size, step.isa)
 
-        cos, sin = rope
+        cache = step.kv_cache.view(index, step.block_tables, step.rows, step.positions)
         return paddle_step_ops.cpu_decoder_layer(
-            x, self.attn_norm.weight, product(w_qkv, qkv_bias), product(w_o, self.o_bias),
-            self.mlp_norm.weight, product(w_gate_up), product(w_down), cfg.num_heads,
-            cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps, cos, sin, step.kv_cache.key,
-            step.kv_cache.value, index, step.slots, step.block_tables, step.rows,
-            step.positions, step.kv_cache.block_size,
+            x,
+            (self.attn_norm.weight, product(w_qkv, qkv_bias), product(w_o, self.o_bias),
+             self.mlp_norm.weight, product(w_gate_up), product(w_down)),
+            (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps),
+            (*rope, step.slots, cache),
         )  # fmt: skip
 
 
