@@ -198,7 +198,6 @@ BAD_REQUESTS = [
     ("too long", {"prompt": "hi " * 40, "max_tokens": 60}, "context"),
     ("temperature", {"prompt": "hi", "temperature": 2.5}, "temperature"),
     ("top_p", {"prompt": "hi", "top_p": 0}, "top_p"),
-    ("unknown model", {"prompt": "hi", "model": "gpt-4"}, "model"),
     ("n < 1", {"prompt": "hi", "n": 0}, "'n'"),
     ("unknown field", {"prompt": "hi", "frobnicate": 1}, "frobnicate"),
     ("suffix", {"prompt": "hi", "suffix": "x"}, "suffix"),
@@ -229,6 +228,24 @@ def test_bad_requests_get_400_and_server_keeps_serving(served, what, body, messa
         json={"model": "llama-tiny", "prompt": "hi", "max_tokens": 2},
         timeout=30,
     )
+    assert good.status_code == 200
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("completions", {"prompt": "hi"}),
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ],
+)
+def test_a_model_not_served_gets_404_and_server_keeps_serving(served, path, body):
+    base_url, _loop = served
+    response = httpx.post(f"{base_url}/v1/{path}", json={"model": "gpt-4", **body}, timeout=30)
+    assert response.status_code == 404, response.text
+    error = response.json()["error"]
+    assert error["code"] == 404 and error["type"] == "model_not_found" and error["param"] == "model"
+    assert "'model': expected 'llama-tiny', got 'gpt-4'" in error["message"]
+    good = httpx.post(f"{base_url}/v1/{path}", json={"model": "llama-tiny", **body}, timeout=30)
     assert good.status_code == 200
 
 

@@ -147,8 +147,9 @@ def create_app(
 
     def check_model_and_prompt(body, prompt_ids: list[int]) -> None:
         if body.model != model_name:
-            raise ApiError(
+            raise ApiError(  # 404, as OpenAI and vLLM answer a model they do not serve
                 f"'model': expected '{model_name}', got '{body.model}'",
+                status=404,
                 param="model",
                 kind="model_not_found",
             )
