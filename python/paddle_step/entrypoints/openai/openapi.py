@@ -5,7 +5,8 @@ know from the request models.
   controls, ``n``, ``logprobs``, the served ``model``, non-empty prompts and stop strings,
   token ids within the vocabulary).
 - The error statuses it answers, all in OpenAI's error shape: 400 for any invalid request
-  (FastAPI's 422 never happens), 401 with an API key, 413, 429 and 503; ``/health``'s 503.
+  (FastAPI's 422 never happens), 404 for a model it does not serve, 401 with an API key,
+  413, 429 and 503; ``/health``'s 503.
 - That streams are ``text/event-stream`` and ``/metrics`` is Prometheus text.
 
 Some checks depend on more than one field (the prompt's tokens plus ``max_tokens`` within
@@ -140,7 +141,7 @@ def _amend(
                 if path.startswith("/v1/models/"):
                     statuses.append("404")
                 if method == "post":
-                    statuses = ["400", *statuses, "413", "429", "503"]
+                    statuses = ["400", *statuses, "404", "413", "429", "503"]
                     responses["200"] = {
                         "description": "The completion, whole (JSON) or streamed (server-sent "
                         "events ending with data: [DONE]).",
