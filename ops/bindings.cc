@@ -77,8 +77,8 @@ void CheckItemCount(const char* op, const char* name,
 paddle_step::PagedKvView PagedKvViewOf(const char* op,
                                        const pybind11::tuple& cache) {
   CheckItemCount(op, "cache", cache, 7,
-        "key_cache, value_cache, layer, block_tables, rows, positions, "
-        "block_size");
+                 "key_cache, value_cache, layer, block_tables, rows, "
+                 "positions, block_size");
   return {cache[0].cast<paddle::Tensor>(), cache[1].cast<paddle::Tensor>(),
           cache[2].cast<int64_t>(),        cache[3].cast<paddle::Tensor>(),
           cache[4].cast<paddle::Tensor>(), cache[5].cast<paddle::Tensor>(),
@@ -105,7 +105,7 @@ paddle_step::PackedLinear PackedLinearOf(const pybind11::tuple& linear) {
 paddle_step::DecoderLayerWeights DecoderLayerWeightsOf(
     const pybind11::tuple& weights) {
   CheckItemCount("cpu_decoder_layer", "weights", weights, 6,
-        "attn_norm, qkv, o, mlp_norm, gate_up, down");
+                 "attn_norm, qkv, o, mlp_norm, gate_up, down");
   return {weights[0].cast<paddle::Tensor>(),
           PackedLinearOf(weights[1].cast<pybind11::tuple>()),
           PackedLinearOf(weights[2].cast<pybind11::tuple>()),
@@ -118,14 +118,15 @@ paddle_step::DecoderLayerWeights DecoderLayerWeightsOf(
 paddle_step::DecoderLayerShape DecoderLayerShapeOf(
     const pybind11::tuple& shape) {
   CheckItemCount("cpu_decoder_layer", "shape", shape, 4,
-        "heads, kv_heads, head_dim, eps");
+                 "heads, kv_heads, head_dim, eps");
   return {shape[0].cast<int64_t>(), shape[1].cast<int64_t>(),
           shape[2].cast<int64_t>(), shape[3].cast<double>()};
 }
 
 // (cos, sin, slots, cache): cache as PagedKvViewOf takes it.
 paddle_step::DecoderLayerStep DecoderLayerStepOf(const pybind11::tuple& step) {
-  CheckItemCount("cpu_decoder_layer", "step", step, 4, "cos, sin, slots, cache");
+  CheckItemCount("cpu_decoder_layer", "step", step, 4,
+                 "cos, sin, slots, cache");
   return {step[0].cast<paddle::Tensor>(), step[1].cast<paddle::Tensor>(),
           step[2].cast<paddle::Tensor>(),
           PagedKvViewOf("cpu_decoder_layer", step[3].cast<pybind11::tuple>())};

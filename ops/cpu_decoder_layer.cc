@@ -1,7 +1,8 @@
 // cpu_decoder_layer: a whole decoder layer over a step's tokens in one call,
 // so that a step pays one Python-to-C++ crossing per layer instead of a few
-// dozen eager ops, and its element-wise parts run on every thread. The products are CpuLinear's, the attention and the
-// cache write cpu_paged_attention's, the element-wise parts
+// dozen eager ops, and its element-wise parts run on every thread. The
+// products are CpuLinear's, the attention and the cache write
+// cpu_paged_attention's, the element-wise parts
 // ops/include/cpu_decoder_layer_kernel.h.
 #include <algorithm>
 #include <cmath>
@@ -157,8 +158,8 @@ paddle::Tensor CpuDecoderLayer(const paddle::Tensor& x,
               hidden, epsilon, normed.data<float>());
   auto gate_up = Product(normed, weights.gate_up);
   const int64_t intermediate = weights.gate_up.n / 2;
-  auto activation = paddle::empty({tokens, intermediate},
-                                  paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto activation = paddle::empty(
+      {tokens, intermediate}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   ForRowRanges(tokens, intermediate, [&](int64_t first, int64_t last) {
     cpu::SiluTimesUp(isa, gate_up.data<float>() + first * 2 * intermediate,
                      last - first, intermediate,

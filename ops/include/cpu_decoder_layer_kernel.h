@@ -1,6 +1,6 @@
 // The element-wise parts of a Llama decoder layer on float32 rows, for the
-// CPU decoder layer (ops/cpu_decoder_layer.cc): RMSNorm, rotary embedding in the
-// rotate-half layout, SwiGLU's silu(gate) * up, and the residual add.
+// CPU decoder layer (ops/cpu_decoder_layer.cc): RMSNorm, rotary embedding in
+// the rotate-half layout, SwiGLU's silu(gate) * up, and the residual add.
 // Framework-free: raw pointers only.
 #pragma once
 

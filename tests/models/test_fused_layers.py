@@ -95,7 +95,7 @@ def test_fused_steps_match_the_blocks(isa_path, name, weight_format, monkeypatch
 def test_layers_fuse_where_both_blocks_run_the_op_or_where_timed_faster():
     model = LlamaForCausalLM(ModelConfig(seed=1))
     blocks, fusion = model.blocks, model.fusion
-    for block in (blocks.attention_inputs, blocks.output_and_mlp):
+    for block in blocks.layer_blocks:
         if "op" not in block.methods:
             pytest.skip("this build has no CPU op")
         block.choice.clear()

@@ -1,7 +1,7 @@
 """The sampler's CPU float32 path: one call of the op library's fused kernel
 (ops/include/cpu_sampling_kernel.h) per step for the whole batch, on the CPU kernels'
-instruction-set path (``cpu_linear.set_isa``) and, for batches of 2**20 logits or more, their
-threads (``cpu_linear.set_num_threads``), instead of the few dozen paddle ops of
+instruction-set path (``cpu_linear.set_isa``) and threads (``cpu_linear.set_num_threads``),
+instead of the few dozen paddle ops of
 ``sampler.apply_controls``, ``sample_tokens`` and ``token_logprobs``. Same semantics as
 those (sampler.py documents them); other places and dtypes stay on the paddle path
 (``supports`` tells which).
@@ -49,8 +49,7 @@ def sample(
     ``stop_ids`` [R, S] (masked while ``step_idx < min_tokens``), ``output_ids`` [R, L]
     whose columns 1..``step_idx`` are the generated tokens (column 0 is scratch),
     ``prompt_ids`` [R, P] (``repetition_penalty`` only; a row's prompt ends at its first
-    pad), ``bias_ids``/``bias_values``
-    [R, K]. A control left None is off for every row."""
+    pad), ``bias_ids``/``bias_values`` [R, K]. A control left None is off for every row."""
     unknown = sorted(set(controls) - set(_OPTIONAL_TENSORS))
     if unknown:
         expected = [name for name in _OPTIONAL_TENSORS if name != "uniforms"]

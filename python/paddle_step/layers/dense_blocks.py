@@ -404,10 +404,15 @@ class ModelBlocks(NamedTuple):
         """Whether the layers must hand the blocks packed weights too."""
         return any("op" in block.methods for block in self)
 
+    @property
+    def layer_blocks(self) -> tuple[DenseBlock, DenseBlock]:
+        """The two blocks of a decoder layer (``logits`` runs once, after the layers)."""
+        return self.attention_inputs, self.output_and_mlp
+
     def layer_way(self, rows: int) -> str | None:
         """The way both of a layer's blocks run ``rows`` rows, or None where they differ
         or are not measured yet."""
-        ways = {block.way_for(rows) for block in (self.attention_inputs, self.output_and_mlp)}
+        ways = {block.way_for(rows) for block in self.layer_blocks}
         return ways.pop() if len(ways) == 1 else None
 
 
@@ -430,7 +435,7 @@ class LayerFusion:
         run our op: yes where both keep the same way of it (measured or forced); no where
         they are forced another way; else as timed, None while that is still to do
         (``choose``)."""
-        dense = (self.blocks.attention_inputs, self.blocks.output_and_mlp)
+        dense = self.blocks.layer_blocks
         if dense[0].agree is not None or any("op" not in block.methods for block in dense):
             return False
         if self.blocks.layer_way(rows) in OP_WAYS:
@@ -452,11 +457,11 @@ class LayerFusion:
         their ways on that call) and ``fused()`` if they then keep our op; else both timed,
         once each (both write the same cache slots), the faster kept for the class and
         its result returned, computed last so that the cache holds its K/V."""
-        dense = (self.blocks.attention_inputs, self.blocks.output_and_mlp)
-        if any(block.way_for(rows) is None for block in dense):
+        if any(block.way_for(rows) is None for block in self.blocks.layer_blocks):
             hidden = blocks()
-            if self.fuse_layers(rows) is not None:
-                return fused() if self.fuse_layers(rows) else hidden
+            fuse = self.fuse_layers(rows)
+            if fuse is not None:
+                return fused() if fuse else hidden
         timings = {}
         for fuse, run in ((False, blocks), (True, fused)):
             started = time.perf_counter()
