@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import paddle
+import paddle_step_ops as _library
 
 from ..config import EngineConfig
 from ..layers import cpu_sampling
@@ -280,6 +281,21 @@ class ModelRunner:
         values. That saves half the eager ops. A row mid-prefill advances by its chunk
         and takes its next one from the host (its input_ids column 0 is rewritten then).
         """
+        state = self.state
+        if state.place.is_cpu_place():  # one call of our CPU op, the same updates
+            _library.cpu_update_inputs(
+                running, ran, tokens, state.step_idx, state.eos_token_ids,
+                state.max_new_tokens, state.pre_ids, state.next_tokens, state.input_ids,
+                state.seq_lens_this_time, state.seq_lens_encoder, state.seq_lens_decoder,
+                state.stop_flags,
+            )  # fmt: skip
+            return
+        self.update_inputs_eager(running, ran, tokens)
+
+    def update_inputs_eager(
+        self, running: paddle.Tensor, ran: paddle.Tensor, tokens: paddle.Tensor
+    ) -> None:
+        """``update_inputs`` as Paddle ops, for any device."""
         state = self.state
         ran_count = ran.astype(state.step_idx.dtype)
         state.step_idx.add_(ran_count)
