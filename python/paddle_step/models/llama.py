@@ -537,13 +537,17 @@ class LlamaForCausalLM(nn.Layer):
         ``extra_index`` ([N] int64 flat token indices), also the logits [N, vocab] of those
         tokens (prompt logprobs), as a pair.
         """
-        layout = PrefillLayout(positions.numpy(), token_rows.numpy())
         tokens = positions.shape[0]
+
+        def every_token_decodes() -> bool:
+            layout = PrefillLayout(positions.numpy(), token_rows.numpy())
+            return layout.decode_tokens.size == tokens
+
         fuse = (
             kv_cache.uses_cpu_ops
             and self.config.dtype == "float32"
             # Prompt tokens attend through the cache too: each must have its slot.
-            and (layout.decode_tokens.size == tokens or bool((slot_mapping.numpy() >= 0).all()))
+            and (bool((slot_mapping.numpy() >= 0).all()) or every_token_decodes())
             and self.fusion.fuse_layers(tokens)
         )
 
@@ -553,6 +557,7 @@ class LlamaForCausalLM(nn.Layer):
             return self._run_layers(input_ids, positions, None, step)
 
         def blocks() -> paddle.Tensor:
+            layout = PrefillLayout(positions.numpy(), token_rows.numpy())
             return self._hidden_through_blocks(
                 layout, input_ids, positions, slot_mapping, token_rows, block_tables,
                 max_context_len, kv_cache,
