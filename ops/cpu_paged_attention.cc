@@ -67,22 +67,27 @@ paddle::Tensor AttendTyped(cpu::DecodeAttentionProblem<T, Table> problem,
   problem.out = out.template data<T>();
   const cpu::Isa isa = CpuActiveIsa();
   cpu::ThreadPool& pool = CpuThreadPool();
-  const int64_t items = tokens * shape.kv_heads;
-  const int tasks = static_cast<int>(std::min<int64_t>(
-      {int64_t{pool.size()} * kTasksPerThread, items,
-       cpu::ThreadPool::kMaxTasks}));
+  // An item is a token and a run of its KV heads: all of them (a slot's keys
+  // read as one row) where the tokens alone give every thread its tasks, one
+  // (a quarter of a row, strided) where they are too few.
+  const int64_t wanted_tasks = int64_t{pool.size()} * kTasksPerThread;
+  const int64_t span = tokens >= wanted_tasks ? shape.kv_heads : 1;
+  const int64_t runs = shape.kv_heads / span;
+  const int64_t items = tokens * runs;
+  const int tasks = static_cast<int>(
+      std::min<int64_t>({wanted_tasks, items, cpu::ThreadPool::kMaxTasks}));
   pool.Run(tasks, [&](int task) {
     thread_local cpu::AttentionScratch<T> scratch;
     int64_t last_token = -1;
     for (int64_t item = items * task / tasks;
          item < items * (task + 1) / tasks; ++item) {
-      const int64_t t = item / shape.kv_heads;
+      const int64_t t = item / runs;
       if (t != last_token) {
         cpu::VisibleSlots(problem, t, &scratch.slots);
         last_token = t;
       }
-      cpu::AttendGroup(isa, problem, t, item % shape.kv_heads, scratch.slots,
-                       &scratch.scores);
+      cpu::AttendGroup(isa, problem, t, item % runs * span, span,
+                       scratch.slots, &scratch.scores);
     }
   });
   return out;

@@ -1,6 +1,7 @@
 // Float32 vectors of each instruction set behind one interface, so that a
 // loop is written once as a template over it (kLanes, Vec, Broadcast, Zero,
-// Load, Add, MulAdd, Sum) and instantiated per instruction set. Framework-free.
+// Load, Store, Add, MulAdd, Sum) and instantiated per instruction set.
+// Framework-free.
 //
 // Each set's struct is compiled under its own `#pragma GCC target`. A loop
 // is a struct with `template <typename Floats> static ... Run(...)`, marked
@@ -27,6 +28,7 @@ struct ScalarFloats {
   static Vec Broadcast(float value) { return value; }
   static Vec Zero() { return 0.0f; }
   static Vec Load(const float* data) { return *data; }
+  static void Store(float* data, Vec value) { *data = value; }
   static Vec Add(Vec a, Vec b) { return a + b; }
   static Vec MulAdd(Vec a, Vec b, Vec c) { return a * b + c; }
   static float Sum(Vec value) { return value; }
@@ -41,6 +43,7 @@ struct Avx2Floats {
   static Vec Broadcast(float value) { return _mm256_set1_ps(value); }
   static Vec Zero() { return _mm256_setzero_ps(); }
   static Vec Load(const float* data) { return _mm256_loadu_ps(data); }
+  static void Store(float* data, Vec value) { _mm256_storeu_ps(data, value); }
   static Vec Add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
   static Vec MulAdd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
   // Lane by lane, in order.
@@ -62,6 +65,7 @@ struct Avx512Floats {
   static Vec Broadcast(float value) { return _mm512_set1_ps(value); }
   static Vec Zero() { return _mm512_setzero_ps(); }
   static Vec Load(const float* data) { return _mm512_loadu_ps(data); }
+  static void Store(float* data, Vec value) { _mm512_storeu_ps(data, value); }
   static Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
   static Vec MulAdd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
   static float Sum(Vec value) { return _mm512_reduce_add_ps(value); }

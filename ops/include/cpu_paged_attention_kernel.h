@@ -76,34 +76,177 @@ void VisibleSlots(const DecodeAttentionProblem<T, Table>& p, int64_t t,
   }
 }
 
-// One token and one KV head with `group` query heads (q: [group, head_dim]):
-// the scores of the `count` visible keys (`stride` values between two slots),
-// their softmax, and out [group, head_dim] = the weighted sum of the values.
-// Plain loops over contiguous runs (a head's dims, a row of scores), so they
-// vectorize at whatever instruction set they are compiled for.
-template <typename T>
-PADDLE_STEP_LOOP_INLINE void AttendRows(const T* q, int64_t group,
-                                        const T* key, const T* value,
-                                        const int64_t* slots, int64_t count,
-                                        int64_t stride, int64_t head_dim,
-                                        T scale, T* scores, T* out) {
+// Keys and values are read through the block tables, a head's row at a time
+// from slots that jump between blocks: the hardware prefetcher cannot see
+// where the next one is, so each loop asks for the row kRowsAhead ahead of it
+// (a B = 32 decode step spent most of its attention waiting on these loads).
+constexpr int64_t kRowsAhead = 16;
+
+PADDLE_STEP_LOOP_INLINE void PrefetchRow(const void* row, int64_t bytes) {
+#if defined(__GNUC__)
+  for (int64_t offset = 0; offset < bytes; offset += 64) {
+    __builtin_prefetch(static_cast<const char*>(row) + offset);
+  }
+#else
+  (void)row, (void)bytes;
+#endif
+}
+
+// o[0 .. kVectors * Floats::kLanes) = sum over j of weights[j] * v_j (from
+// `first` of each value row), in order of j, the sums kept in registers;
+// prefetching the rows of `ahead_bytes` kRowsAhead slots ahead (0: none).
+template <typename Floats, int kVectors>
+PADDLE_STEP_LOOP_INLINE void WeightedVectors(const float* weights,
+                                             const float* value,
+                                             const int64_t* slots,
+                                             int64_t count, int64_t stride,
+                                             int64_t first, float* o,
+                                             int64_t ahead_bytes) {
+  typename Floats::Vec sum[kVectors];
+  for (int i = 0; i < kVectors; ++i) sum[i] = Floats::Zero();
   for (int64_t j = 0; j < count; ++j) {
-    const T* k = key + slots[j] * stride;
-    for (int64_t h = 0; h < group; ++h) {
+    if (ahead_bytes > 0 && j + kRowsAhead < count) {
+      PrefetchRow(value + slots[j + kRowsAhead] * stride, ahead_bytes);
+    }
+    const typename Floats::Vec w = Floats::Broadcast(weights[j]);
+    const float* v = value + slots[j] * stride + first;
+    for (int i = 0; i < kVectors; ++i) {
+      sum[i] = Floats::MulAdd(w, Floats::Load(v + i * Floats::kLanes), sum[i]);
+    }
+  }
+  for (int i = 0; i < kVectors; ++i) {
+    Floats::Store(o + first + i * Floats::kLanes, sum[i]);
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define PADDLE_STEP_ATTENTION_AVX512 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,fma")
+
+// rows[k][e] -> rows[e][k] for 16 vectors of 16 floats.
+PADDLE_STEP_LOOP_INLINE void Transpose16(__m512 rows[16]) {
+  __m512 pairs[16];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane l: rows 2i, 2i+1 at 4l..
+    pairs[2 * i] = _mm512_unpacklo_ps(rows[2 * i], rows[2 * i + 1]);
+    pairs[2 * i + 1] = _mm512_unpackhi_ps(rows[2 * i], rows[2 * i + 1]);
+  }
+  __m512 quads[16];  // quads[4i + c], lane l: rows 4i..4i+3 at element 4l + c
+  for (int i = 0; i < 4; ++i) {
+    quads[4 * i] = _mm512_shuffle_ps(pairs[4 * i], pairs[4 * i + 2], 0x44);
+    quads[4 * i + 1] = _mm512_shuffle_ps(pairs[4 * i], pairs[4 * i + 2], 0xEE);
+    quads[4 * i + 2] =
+        _mm512_shuffle_ps(pairs[4 * i + 1], pairs[4 * i + 3], 0x44);
+    quads[4 * i + 3] =
+        _mm512_shuffle_ps(pairs[4 * i + 1], pairs[4 * i + 3], 0xEE);
+  }
+  for (int c = 0; c < 4;
+       ++c) {  // lanes of quads[c], [4 + c], [8 + c], [12 + c]
+    const __m512 low01 = _mm512_shuffle_f32x4(quads[c], quads[4 + c], 0x44);
+    const __m512 high01 = _mm512_shuffle_f32x4(quads[c], quads[4 + c], 0xEE);
+    const __m512 low23 =
+        _mm512_shuffle_f32x4(quads[8 + c], quads[12 + c], 0x44);
+    const __m512 high23 =
+        _mm512_shuffle_f32x4(quads[8 + c], quads[12 + c], 0xEE);
+    rows[c] = _mm512_shuffle_f32x4(low01, low23, 0x88);
+    rows[4 + c] = _mm512_shuffle_f32x4(low01, low23, 0xDD);
+    rows[8 + c] = _mm512_shuffle_f32x4(high01, high23, 0x88);
+    rows[12 + c] = _mm512_shuffle_f32x4(high01, high23, 0xDD);
+  }
+}
+
+// out[k] = Dot(q, key row of slots[k], head_dim) * scale for 16 keys, with
+// Dot's own sums (16 lanes of multiply-adds in order of the dims, the last
+// dims one by one, then the lanes in order) computed for the 16 keys side by
+// side: the lanes are transposed so that key k's lane e is lane k of one
+// vector, and the vectors are added in order of e. Bit for bit Dot's result,
+// at a fraction of its horizontal adds. Not always_inline: the generic
+// AttendRows template calls it, and it inlines once that is compiled for
+// AVX-512 (RunOn).
+inline void ScoresOf16Keys(const float* q, const float* key,
+                           const int64_t* slots, int64_t stride,
+                           int64_t head_dim, float scale, float* out) {
+  __m512 lanes[16];
+  for (int k = 0; k < 16; ++k) lanes[k] = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 16 <= head_dim; d += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + d);
+    for (int k = 0; k < 16; ++k) {
+      lanes[k] = _mm512_fmadd_ps(
+          qv, _mm512_loadu_ps(key + slots[k] * stride + d), lanes[k]);
+    }
+  }
+  alignas(64) float firsts[16];  // each key's last dims, summed first
+  for (int k = 0; k < 16; ++k) {
+    float total = 0.0f;
+    for (int64_t e = d; e < head_dim; ++e) {
+      total += q[e] * key[slots[k] * stride + e];
+    }
+    firsts[k] = total;
+  }
+  Transpose16(lanes);
+  __m512 total = _mm512_load_ps(firsts);
+  for (int e = 0; e < 16; ++e) total = _mm512_add_ps(total, lanes[e]);
+  _mm512_storeu_ps(out, _mm512_mul_ps(total, _mm512_set1_ps(scale)));
+}
+
+#pragma GCC pop_options
+#endif
+
+// One token and a run of KV heads, `group` query heads each (q: [heads,
+// head_dim], query head h reading KV head h / group of the run): the scores
+// of the `count` visible keys (`stride` values between two slots; key and
+// value point at the run's first KV head), their softmax, and out [heads,
+// head_dim] = the weighted sums of the values. A run of several KV heads reads
+// each slot's row of them at once, as one stretch of memory.
+// float32 runs on `Floats` (RunOn: one instantiation per instruction set);
+// each output is the same chain of multiply-adds in order of j on every
+// instruction set's vectors, so the vector width changes no bit of it.
+template <typename T, typename Floats = ScalarFloats>
+PADDLE_STEP_LOOP_INLINE void AttendRows(const T* q, int64_t group,
+                                        int64_t heads, const T* key,
+                                        const T* value, const int64_t* slots,
+                                        int64_t count, int64_t stride,
+                                        int64_t head_dim, T scale, T* scores,
+                                        T* out) {
+  const int64_t row_bytes =
+      heads / group * head_dim * static_cast<int64_t>(sizeof(T));
+  int64_t j = 0;
+#ifdef PADDLE_STEP_ATTENTION_AVX512
+  if constexpr (std::is_same_v<Floats, Avx512Floats>) {
+    for (; j + 16 <= count; j += 16) {
+      for (int64_t h = 0; h < heads; ++h) {
+        if (h < 16 && j + 16 + h < count) {  // the next keys, a row a head
+          PrefetchRow(key + slots[j + 16 + h] * stride, row_bytes);
+        }
+        ScoresOf16Keys(q + h * head_dim, key + h / group * head_dim, slots + j,
+                       stride, head_dim, scale, scores + h * count + j);
+      }
+    }
+  }
+#endif
+  for (; j < count; ++j) {
+    if (j + kRowsAhead < count) {
+      PrefetchRow(key + slots[j + kRowsAhead] * stride, row_bytes);
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* k = key + slots[j] * stride + h / group * head_dim;
       T dot;
       if constexpr (std::is_same_v<T, float>) {
         dot = Dot(q + h * head_dim, k, head_dim);
       } else {
         dot = 0;
-        for (int64_t d = 0; d < head_dim; ++d) dot += q[h * head_dim + d] * k[d];
+        for (int64_t d = 0; d < head_dim; ++d)
+          dot += q[h * head_dim + d] * k[d];
       }
       scores[h * count + j] = dot * scale;
     }
   }
-  for (int64_t h = 0; h < group; ++h) {
+  for (int64_t h = 0; h < heads; ++h) {
     T* row = scores + h * count;
     T largest = row[0];
-    for (int64_t j = 1; j < count; ++j) largest = row[j] > largest ? row[j] : largest;
+    for (int64_t j = 1; j < count; ++j)
+      largest = row[j] > largest ? row[j] : largest;
     for (int64_t j = 0; j < count; ++j) row[j] -= largest;
     double total = 0;
     if constexpr (std::is_same_v<T, float>) {
@@ -115,13 +258,33 @@ PADDLE_STEP_LOOP_INLINE void AttendRows(const T* q, int64_t group,
     const T inverse = static_cast<T>(1.0 / total);
     for (int64_t j = 0; j < count; ++j) row[j] *= inverse;
   }
-  for (int64_t h = 0; h < group; ++h) {
+  for (int64_t j = 0; j < std::min(count, kRowsAhead); ++j) {
+    PrefetchRow(value + slots[j] * stride, row_bytes);
+  }
+  for (int64_t h = 0; h < heads; ++h) {
     const T* weights = scores + h * count;
+    const T* v = value + h / group * head_dim;
     T* o = out + h * head_dim;
-    std::fill(o, o + head_dim, T(0));
-    for (int64_t j = 0; j < count; ++j) {
-      const T* v = value + slots[j] * stride;
-      for (int64_t d = 0; d < head_dim; ++d) o[d] += weights[j] * v[d];
+    int64_t d = 0;
+    if constexpr (std::is_same_v<T, float>) {
+      constexpr int64_t kLanes = Floats::kLanes;
+      // The first pass over the values prefetches them; the others find
+      // them in cache.
+      int64_t ahead = h == 0 ? row_bytes : 0;
+      for (; d + 4 * kLanes <= head_dim; d += 4 * kLanes, ahead = 0) {
+        WeightedVectors<Floats, 4>(weights, v, slots, count, stride, d, o,
+                                   ahead);
+      }
+      for (; d + kLanes <= head_dim; d += kLanes, ahead = 0) {
+        WeightedVectors<Floats, 1>(weights, v, slots, count, stride, d, o,
+                                   ahead);
+      }
+    }
+    for (; d < head_dim; ++d) {  // float64, and a float32 head's last dims
+      T sum = 0;
+      for (int64_t j = 0; j < count; ++j)
+        sum += weights[j] * v[slots[j] * stride + d];
+      o[d] = sum;
     }
   }
 }
@@ -129,14 +292,12 @@ PADDLE_STEP_LOOP_INLINE void AttendRows(const T* q, int64_t group,
 // AttendRows<float> compiled once per instruction set (RunOn).
 struct AttendRowsLoop {
   template <typename Floats>
-  PADDLE_STEP_LOOP_INLINE static int Run(const float* q, int64_t group,
-                                         const float* key, const float* value,
-                                         const int64_t* slots, int64_t count,
-                                         int64_t stride, int64_t head_dim,
-                                         float scale, float* scores,
-                                         float* out) {
-    AttendRows(q, group, key, value, slots, count, stride, head_dim, scale,
-               scores, out);
+  PADDLE_STEP_LOOP_INLINE static int Run(
+      const float* q, int64_t group, int64_t heads, const float* key,
+      const float* value, const int64_t* slots, int64_t count, int64_t stride,
+      int64_t head_dim, float scale, float* scores, float* out) {
+    AttendRows<float, Floats>(q, group, heads, key, value, slots, count, stride,
+                              head_dim, scale, scores, out);
     return 0;
   }
 };
@@ -148,13 +309,14 @@ struct AttentionScratch {
   std::vector<T> scores;
 };
 
-// Token t, KV head g: out[t, g * group .. (g + 1) * group). A token that sees
-// no key gets zeros.
+// Token t, KV heads [g, g + span): out[t, g * group .. (g + span) * group).
+// A token that sees no key gets zeros.
 template <typename T, typename Table>
 void AttendGroup(Isa isa, const DecodeAttentionProblem<T, Table>& p, int64_t t,
-                 int64_t g, const std::vector<int64_t>& slots,
+                 int64_t g, int64_t span, const std::vector<int64_t>& slots,
                  std::vector<T>* scores) {
   const int64_t group = p.heads / p.kv_heads;
+  const int64_t heads = span * group;
   const int64_t count = static_cast<int64_t>(slots.size());
   const int64_t stride = p.kv_heads * p.head_dim;
   const T* q = p.q + (t * p.heads + g * group) * p.head_dim;
@@ -162,19 +324,19 @@ void AttendGroup(Isa isa, const DecodeAttentionProblem<T, Table>& p, int64_t t,
   const T* value = p.value + g * p.head_dim;
   T* out = p.out + (t * p.heads + g * group) * p.head_dim;
   if (count == 0) {
-    std::fill(out, out + group * p.head_dim, T(0));
+    std::fill(out, out + heads * p.head_dim, T(0));
     return;
   }
-  scores->resize(group * count);
+  scores->resize(heads * count);
   if constexpr (std::is_same_v<T, float>) {
     int lanes = 1;
-    RunOn<AttendRowsLoop>(isa, &lanes, q, group, key, value, slots.data(),
-                          count, stride, p.head_dim, p.scale, scores->data(),
-                          out);
+    RunOn<AttendRowsLoop>(isa, &lanes, q, group, heads, key, value,
+                          slots.data(), count, stride, p.head_dim, p.scale,
+                          scores->data(), out);
   } else {
     (void)isa;  // float64 runs the plain loops as built
-    AttendRows(q, group, key, value, slots.data(), count, stride, p.head_dim,
-               p.scale, scores->data(), out);
+    AttendRows(q, group, heads, key, value, slots.data(), count, stride,
+               p.head_dim, p.scale, scores->data(), out);
   }
 }
 
