@@ -489,10 +489,23 @@ using TileFunction = void (*)(const LinearProblem&, int64_t, int64_t);
         name<6>,       name<7>, name<8>};                               \
     return table;                                                       \
   }
-PADDLE_STEP_TILE_TABLE(TileFloat32)
 PADDLE_STEP_TILE_TABLE(TileBFloat16)
 PADDLE_STEP_TILE_TABLE(TileInt8)
 #undef PADDLE_STEP_TILE_TABLE
+
+// float32 weights need no widening registers: 12 rows (24 accumulators, 2
+// weight vectors and a broadcast of the 32 registers) load each weight vector
+// for 12 FMAs instead of 8.
+constexpr int kFloat32Rows = 12;
+
+inline const TileFunction* TileFloat32Table() {
+  static constexpr TileFunction table[kFloat32Rows + 1] = {
+      nullptr,         TileFloat32<1>,  TileFloat32<2>,  TileFloat32<3>,
+      TileFloat32<4>,  TileFloat32<5>,  TileFloat32<6>,  TileFloat32<7>,
+      TileFloat32<8>,  TileFloat32<9>,  TileFloat32<10>, TileFloat32<11>,
+      TileFloat32<12>};
+  return table;
+}
 
 inline const TileFunction* TileInt8GroupedTable() {
   static constexpr TileFunction table[kGroupedRows + 1] = {
@@ -507,9 +520,13 @@ inline void Panels(const LinearProblem& p, int64_t begin, int64_t end) {
     RowTiles(p, begin, end, TileInt8GroupedTable(), kGroupedRows);
     return;
   }
+  if (p.w.format == WeightFormat::kFloat32) {
+    RowTiles(p, begin, end, TileFloat32Table(), kFloat32Rows);
+    return;
+  }
   RowTiles(p, begin, end,
-           ForFormat(p.w.format, TileFloat32Table(), TileBFloat16Table(),
-                     TileInt8Table()),
+           p.w.format == WeightFormat::kBFloat16 ? TileBFloat16Table()
+                                                 : TileInt8Table(),
            kRows);
 }
 
