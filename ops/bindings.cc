@@ -261,14 +261,12 @@ PYBIND11_MODULE(paddle_step_ops, module) {
       pybind11::arg("presence_penalty"), pybind11::arg("frequency_penalty"),
       pybind11::arg("repetition_penalty"), pybind11::arg("prompt_ids"),
       pybind11::arg("top_logprobs"));
+#define PADDLE_STEP_KEYWORD(name, access) pybind11::arg(#name),
   module.def("cpu_update_inputs", &paddle_step::CpuUpdateInputs,
-             pybind11::arg("running"), pybind11::arg("ran"),
-             pybind11::arg("tokens"), pybind11::arg("step_idx"),
-             pybind11::arg("stop_ids"), pybind11::arg("max_new_tokens"),
-             pybind11::arg("pre_ids"), pybind11::arg("next_tokens"),
-             pybind11::arg("input_ids"), pybind11::arg("seq_lens_this_time"),
-             pybind11::arg("seq_lens_encoder"),
-             pybind11::arg("seq_lens_decoder"), pybind11::arg("stop_flags"));
+             pybind11::arg("running"),
+             PADDLE_STEP_CPU_UPDATE_INPUTS_TENSORS(PADDLE_STEP_KEYWORD)
+             "FastDeploy's update_inputs and stop checks over the slot state");
+#undef PADDLE_STEP_KEYWORD
   module.def("cpu_read_sum", &paddle_step::CpuReadSum, pybind11::arg("data"));
   module.def("cpu_fma_rate", &paddle_step::CpuFmaRate,
              pybind11::arg("iterations"));

@@ -33,16 +33,9 @@ int64_t CheckTable(const char* name, const paddle::Tensor& tensor,
 
 }  // namespace
 
-void CpuUpdateInputs(const paddle::Tensor& running, const paddle::Tensor& ran,
-                     const paddle::Tensor& tokens, paddle::Tensor& step_idx,
-                     const paddle::Tensor& stop_ids,
-                     const paddle::Tensor& max_new_tokens,
-                     paddle::Tensor& pre_ids, paddle::Tensor& next_tokens,
-                     paddle::Tensor& input_ids,
-                     paddle::Tensor& seq_lens_this_time,
-                     paddle::Tensor& seq_lens_encoder,
-                     paddle::Tensor& seq_lens_decoder,
-                     paddle::Tensor& stop_flags) {
+void CpuUpdateInputs(
+    const paddle::Tensor& running PADDLE_STEP_CPU_UPDATE_INPUTS_TENSORS(
+        PADDLE_STEP_CPU_UPDATE_INPUTS_PARAMETER)) {
   constexpr auto kBool = paddle::DataType::BOOL;
   kCheck.Dtype("running", ViewOf(running), {kBool});
   kCheck.Shape("running", ViewOf(running), {-1});  // sets the batch
