@@ -214,10 +214,14 @@ PADDLE_STEP_LOOP_INLINE void AttendRows(const T* q, int64_t group,
   int64_t j = 0;
 #ifdef PADDLE_STEP_ATTENTION_AVX512
   if constexpr (std::is_same_v<Floats, Avx512Floats>) {
+    const int64_t rows_per_head = (16 + heads - 1) / heads;
     for (; j + 16 <= count; j += 16) {
       for (int64_t h = 0; h < heads; ++h) {
-        if (h < 16 && j + 16 + h < count) {  // the next keys, a row a head
-          PrefetchRow(key + slots[j + 16 + h] * stride, row_bytes);
+        // The next 16 keys' rows, spread over the heads' turns.
+        const int64_t end = std::min({count, j + 16 + (h + 1) * rows_per_head,
+                                      j + 32});
+        for (int64_t next = j + 16 + h * rows_per_head; next < end; ++next) {
+          PrefetchRow(key + slots[next] * stride, row_bytes);
         }
         ScoresOf16Keys(q + h * head_dim, key + h / group * head_dim, slots + j,
                        stride, head_dim, scale, scores + h * count + j);
