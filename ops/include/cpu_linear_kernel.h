@@ -296,6 +296,11 @@ inline void RowTiles(const LinearProblem& p, int64_t begin, int64_t end,
 
 #define PADDLE_STEP_INLINE inline __attribute__((always_inline))
 
+// A 12-row tile table's entries: none for 0 rows, then tile<1> .. tile<12>.
+#define PADDLE_STEP_TILES_1_TO_12(tile)                                     \
+  nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>, tile<7>, \
+      tile<8>, tile<9>, tile<10>, tile<11>, tile<12>
+
 // ------------------------------------------------------------------ AVX-512
 // A tile is kAvx512Rows rows of x times one panel (two 16-float vectors):
 // 2 * rows accumulators live in registers for the whole of K, each weight
@@ -499,11 +504,9 @@ PADDLE_STEP_TILE_TABLE(TileInt8)
 constexpr int kFloat32Rows = 12;
 
 inline const TileFunction* TileFloat32Table() {
+  static_assert(kFloat32Rows == 12, "the table lists tiles of 1 to 12 rows");
   static constexpr TileFunction table[kFloat32Rows + 1] = {
-      nullptr,         TileFloat32<1>,  TileFloat32<2>,  TileFloat32<3>,
-      TileFloat32<4>,  TileFloat32<5>,  TileFloat32<6>,  TileFloat32<7>,
-      TileFloat32<8>,  TileFloat32<9>,  TileFloat32<10>, TileFloat32<11>,
-      TileFloat32<12>};
+      PADDLE_STEP_TILES_1_TO_12(TileFloat32)};
   return table;
 }
 
@@ -610,11 +613,9 @@ void TileBFloat16(const LinearProblem& p, int64_t panel, int64_t row) {
 using TileFunction = void (*)(const LinearProblem&, int64_t, int64_t);
 
 inline const TileFunction* TileBFloat16Table() {
+  static_assert(kRows == 12, "the table lists tiles of 1 to 12 rows");
   static constexpr TileFunction table[kRows + 1] = {
-      nullptr,          TileBFloat16<1>,  TileBFloat16<2>,  TileBFloat16<3>,
-      TileBFloat16<4>,  TileBFloat16<5>,  TileBFloat16<6>,  TileBFloat16<7>,
-      TileBFloat16<8>,  TileBFloat16<9>,  TileBFloat16<10>, TileBFloat16<11>,
-      TileBFloat16<12>};
+      PADDLE_STEP_TILES_1_TO_12(TileBFloat16)};
   return table;
 }
 
