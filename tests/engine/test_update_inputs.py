@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import paddle
-import paddle_step_ops
 import pytest
 
+import paddle_step_ops
 from paddle_step.config import EngineConfig, ModelConfig
 from paddle_step.engine.model_runner import ModelRunner
 from paddle_step.models.llama import LlamaForCausalLM
@@ -93,8 +93,10 @@ def call_args(runner: ModelRunner) -> dict[str, paddle.Tensor]:
 @pytest.mark.parametrize(
     ("argument", "bad", "message"),
     [
-        ("tokens", paddle.zeros([BATCH], "int32"), "'tokens': expected dtype int64, got dtype int32"),
-        ("ran", paddle.ones([BATCH + 1], "bool"), f"'ran': expected shape [{BATCH}] or [{BATCH}, 1]"),
+        ("tokens", paddle.zeros([BATCH], "int32"),
+         "'tokens': expected dtype int64, got dtype int32"),
+        ("ran", paddle.ones([BATCH + 1], "bool"),
+         f"'ran': expected shape [{BATCH}] or [{BATCH}, 1]"),
         ("running", paddle.ones([BATCH, 2], "bool"), "'running': expected shape [-1], got shape"),
         ("pre_ids", paddle.zeros([BATCH, WIDTH], "int32"), "'pre_ids': expected dtype int64"),
         ("seq_lens_decoder", paddle.zeros([BATCH], "int64"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import paddle
+
 import paddle_step_ops as _library
 
 from ..config import EngineConfig
@@ -278,8 +279,9 @@ class ModelRunner:
         stopped ones (finished, preempted or free): their seq_lens_this_time is 0 and, of
         what is written here, later steps read only their next_tokens and pre_ids columns
         >= 1 (a recovery rebuilds its row from those), so only those two keep their
-        values. That saves half the eager ops. A row mid-prefill advances by its chunk
-        and takes its next one from the host (its input_ids column 0 is rewritten then).
+        values. A row mid-prefill advances by its chunk and takes its next one from the
+        host (its input_ids column 0 is rewritten then). On the CPU this is one call of
+        our op; elsewhere ``update_inputs_eager``.
         """
         state = self.state
         if state.place.is_cpu_place():  # one call of our CPU op, the same updates
@@ -295,7 +297,8 @@ class ModelRunner:
     def update_inputs_eager(
         self, running: paddle.Tensor, ran: paddle.Tensor, tokens: paddle.Tensor
     ) -> None:
-        """``update_inputs`` as Paddle ops, for any device."""
+        """``update_inputs`` as Paddle ops, for any device (rows that did not run write
+        only what later steps ignore, which saves half the ops)."""
         state = self.state
         ran_count = ran.astype(state.step_idx.dtype)
         state.step_idx.add_(ran_count)
