@@ -5,7 +5,7 @@ import numpy as np
 import paddle
 import pytest
 
-from paddle_step.layers.paged_attention import PagedKVCache, build_flat_batch
+from paddle_step.layers.paged_attention import DecodeInputs, PagedKVCache, build_flat_batch
 from paddle_step.testing.paged_batches import slot_state
 
 
@@ -33,16 +33,32 @@ def test_build_flat_batch_positions_and_slots(on_host: bool) -> None:
         )
 
 
-def test_build_flat_batch_on_host_equals_the_paddle_ops() -> None:
+@pytest.mark.parametrize("with_decode_inputs", [False, True])
+def test_build_flat_batch_on_host_equals_the_paddle_ops(with_decode_inputs: bool) -> None:
     rng = np.random.default_rng(4)
+    decoded = 0
     for block_size, batch, width in [(1, 3, 5), (4, 7, 9), (16, 64, 33)]:
         rows = [rng.integers(0, 500, rng.integers(0, width + 1)).tolist() for _ in range(batch)]
         rows[0] = rows[0] or [1]  # at least one token
+        if with_decode_inputs:  # every other row runs one token: decoding or not
+            rows[1::2] = [[7] for _ in rows[1::2]]
         starts = rng.integers(0, 40, batch).tolist()
         tables = rng.integers(-1, 50, (batch, -(-(40 + width) // block_size)))
         state = slot_state(rows, starts, width)
-        host = build_flat_batch(*state, paddle.to_tensor(tables, "int32"), block_size, True)
-        ops = build_flat_batch(*state, paddle.to_tensor(tables, "int32"), block_size, False)
+        decode = None
+        if with_decode_inputs:  # of the one-token rows, most decode
+            active = np.array([len(row) == 1 for row in rows]) & (rng.random(batch) < 0.7)
+            decode = DecodeInputs(*(paddle.to_tensor(a) for a in (
+                active, rng.integers(500, 900, batch), rng.integers(40, 90, batch),
+                rng.integers(-1, 800, batch))))  # fmt: skip
+        args = (*state, paddle.to_tensor(tables, "int32"), block_size)
+        host = build_flat_batch(*args, True, decode_inputs=decode)
+        ops = build_flat_batch(*args, False, decode_inputs=decode)
+        if decode is not None:  # the decoding rows' tokens are the prepared ones
+            decoding = decode.active.numpy()[host["token_rows"].numpy()]
+            prepared = decode.positions.numpy()[host["token_rows"].numpy()]
+            decoded += int(decoding.sum())
+            np.testing.assert_array_equal(host["positions"].numpy()[decoding], prepared[decoding])
         assert host.keys() == ops.keys()
         for key in host:
             if isinstance(host[key], paddle.Tensor):
@@ -50,6 +66,7 @@ def test_build_flat_batch_on_host_equals_the_paddle_ops() -> None:
                 np.testing.assert_array_equal(host[key].numpy(), ops[key].numpy(), err_msg=key)
             else:
                 assert host[key] == ops[key], key
+    assert decoded > 0 or not with_decode_inputs
 
 
 def test_slot_minus_one_writes_nothing() -> None:

@@ -14,7 +14,7 @@ import paddle_step_ops as _library
 
 from ..config import EngineConfig
 from ..layers import cpu_sampling
-from ..layers.paged_attention import PagedKVCache, build_flat_batch
+from ..layers.paged_attention import DecodeInputs, PagedKVCache, build_flat_batch
 from ..layers.sampler import (
     SamplingControls,
     apply_controls,
@@ -140,23 +140,18 @@ class ModelRunner:
         that order ([sum(count), vocab]; None without any).
         """
         state = self.state
+        # Decode rows take the token, position and KV slot advance_step prepared.
+        decode_inputs = DecodeInputs(
+            state.decode_active, state.input_tokens, state.input_positions, state.slot_mapping
+        )
         batch = build_flat_batch(
             state.input_ids,
             state.seq_lens_this_time,
             state.seq_lens_decoder,
             state.block_tables,
             self.config.block_size,
+            decode_inputs=decode_inputs,
         )
-        # Decode rows take the token, position and KV slot advance_step prepared.
-        rows = batch["token_rows"]
-        # Gathered as int32: paddle 2.6 has no CPU gather kernel for bool.
-        is_decode = paddle.gather(state.decode_active.astype("int32"), rows) != 0
-        for key, prepared in (
-            ("input_ids", state.input_tokens),
-            ("positions", state.input_positions),
-            ("slot_mapping", state.slot_mapping),
-        ):
-            batch[key] = paddle.where(is_decode, paddle.gather(prepared, rows), batch[key])
         last = batch["last_token_index"]
         slots = paddle.nonzero(last >= 0).reshape([-1])
         batch["last_token_index"] = paddle.gather(last, slots)

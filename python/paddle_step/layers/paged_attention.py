@@ -3,7 +3,7 @@ block tables, the flattened prefill and decode rows, and the prefill layout."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, NamedTuple, TypedDict
 
 import numpy as np
 import paddle
@@ -18,6 +18,7 @@ __all__ = [
     "KeptSlots",
     "PagedKVCache",
     "PrefillLayout",
+    "DecodeInputs",
     "build_flat_batch",
     "slots_through_table",
 ]
@@ -194,6 +195,16 @@ class FlatBatch(TypedDict):
     max_context_len: int  # longest context (start + tokens) of any row this step
 
 
+class DecodeInputs(NamedTuple):
+    """``advance_step``'s outputs for a step: the rows where ``active`` ([B] bool) decode
+    run the token, position and KV slot prepared here ([B] int64 each)."""
+
+    active: paddle.Tensor
+    tokens: paddle.Tensor
+    positions: paddle.Tensor
+    slot_mapping: paddle.Tensor
+
+
 def build_flat_batch(
     input_ids: paddle.Tensor,
     seq_lens_this_time: paddle.Tensor,
@@ -201,12 +212,15 @@ def build_flat_batch(
     block_tables: paddle.Tensor,
     block_size: int,
     on_host: bool | None = None,
+    decode_inputs: DecodeInputs | None = None,
 ) -> FlatBatch:
     """Flatten one step of slot-indexed (FastDeploy-style) state for ``forward_paged``.
 
     Row ``b`` contributes ``seq_lens_this_time[b]`` tokens ``input_ids[b, :n]`` at positions
     ``seq_lens_decoder[b] ..``; rows with 0 tokens are skipped. Tokens are ordered by row,
-    then by position. ``seq_lens_*`` may be [B] or [B, 1], any integer dtype.
+    then by position. ``seq_lens_*`` may be [B] or [B, 1], any integer dtype. With
+    ``decode_inputs``, the tokens of its active rows take their id, position and slot from
+    it instead (``max_context_len`` still counts from ``seq_lens_decoder``).
 
     Reads the token count back to the host (the flat length is data-dependent) and raises
     ``ValueError`` if no row has a token. On the CPU the index arithmetic runs in NumPy on
@@ -224,8 +238,9 @@ def build_flat_batch(
         on_host = input_ids.place.is_cpu_place()
     if on_host:
         return _flat_batch_on_host(
-            input_ids, seq_lens_this_time, seq_lens_decoder, block_tables, block_size
-        )
+            input_ids, seq_lens_this_time, seq_lens_decoder, block_tables, block_size,
+            decode_inputs,
+        )  # fmt: skip
     batch, width = input_ids.shape
     lens = seq_lens_this_time.reshape([-1]).astype("int64")
     starts = seq_lens_decoder.reshape([-1]).astype("int64")
@@ -243,14 +258,26 @@ def build_flat_batch(
 
     ends = paddle.cumsum(lens)
     last_token_index = paddle.where(lens > 0, ends - 1, paddle.full_like(ends, -1))
+    max_context_len = int(paddle.max(paddle.where(lens > 0, starts + lens, lens)))
+    flat_ids = paddle.masked_select(input_ids.astype("int64"), is_token)
+    if decode_inputs is not None:
+        # Gathered as int32: paddle 2.6 has no CPU gather kernel for bool.
+        decodes = paddle.gather(decode_inputs.active.astype("int32"), token_rows) != 0
+
+        def prepared(values: paddle.Tensor, flat: paddle.Tensor) -> paddle.Tensor:
+            return paddle.where(decodes, paddle.gather(values, token_rows), flat)
+
+        flat_ids = prepared(decode_inputs.tokens, flat_ids)
+        positions = prepared(decode_inputs.positions, positions)
+        slot_mapping = prepared(decode_inputs.slot_mapping, slot_mapping)
     return FlatBatch(
-        input_ids=paddle.masked_select(input_ids.astype("int64"), is_token),
+        input_ids=flat_ids,
         positions=positions,
         slot_mapping=slot_mapping,
         token_rows=token_rows,
         last_token_index=last_token_index,
         block_tables=block_tables,
-        max_context_len=int(paddle.max(paddle.where(lens > 0, starts + lens, lens))),
+        max_context_len=max_context_len,
     )
 
 
@@ -260,6 +287,7 @@ def _flat_batch_on_host(
     seq_lens_decoder: paddle.Tensor,
     block_tables: paddle.Tensor,
     block_size: int,
+    decode_inputs: DecodeInputs | None,
 ) -> FlatBatch:
     """``build_flat_batch`` with its index arithmetic in NumPy."""
     batch, width = input_ids.shape
@@ -279,15 +307,27 @@ def _flat_batch_on_host(
     slot_mapping = np.where(
         in_table & (blocks >= 0), blocks * block_size + positions % block_size, -1
     )
-    flat_ids = paddle.to_tensor(token_rows * width + columns)
+    ids = paddle.gather(input_ids.flatten(), paddle.to_tensor(token_rows * width + columns))
+    ids = ids.astype("int64")
+    max_context_len = int(np.max(np.where(lens > 0, starts + lens, lens)))
+    if decode_inputs is not None:
+        decodes = decode_inputs.active.numpy().reshape(-1)[token_rows]
+        if decodes.any():
+
+            def prepared(values: paddle.Tensor, flat: np.ndarray) -> np.ndarray:
+                return np.where(decodes, values.numpy().reshape(-1)[token_rows], flat)
+
+            ids = paddle.to_tensor(prepared(decode_inputs.tokens, ids.numpy()))
+            positions = prepared(decode_inputs.positions, positions)
+            slot_mapping = prepared(decode_inputs.slot_mapping, slot_mapping)
     return FlatBatch(
-        input_ids=paddle.gather(input_ids.flatten(), flat_ids).astype("int64"),
+        input_ids=ids,
         positions=paddle.to_tensor(positions),
         slot_mapping=paddle.to_tensor(slot_mapping),
         token_rows=paddle.to_tensor(token_rows),
         last_token_index=paddle.to_tensor(np.where(lens > 0, ends - 1, -1)),
         block_tables=block_tables,
-        max_context_len=int(np.max(np.where(lens > 0, starts + lens, lens))),
+        max_context_len=max_context_len,
     )
 
 
