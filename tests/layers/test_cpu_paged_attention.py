@@ -119,7 +119,9 @@ def test_paths_and_thread_counts_agree_closely():
     for (isa, count), out in results.items():
         # Paths differ only in the order of the sums inside a dot product.
         np.testing.assert_allclose(out, scalar, rtol=1e-5, atol=1e-6, err_msg=isa)
-        # The thread count never changes a result: each task runs whole heads.
+        # The thread count never changes a result: each task runs whole heads. (With 8
+        # tokens, 1 thread reads each token's KV heads as one row; 3 threads split them
+        # into one item per head.)
         np.testing.assert_array_equal(out, results[isa, 1], err_msg=f"{isa}, {count} threads")
 
 
