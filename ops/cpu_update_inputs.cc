@@ -42,7 +42,7 @@ void CpuUpdateInputs(
   const int64_t batch = running.dims()[0];
   constexpr auto kInt32 = paddle::DataType::INT32;
   constexpr auto kInt64 = paddle::DataType::INT64;
-  CheckVector("running", running, kBool, batch);
+  kCheck.DenseCpu("running", running);
   CheckVector("ran", ran, kBool, batch);
   CheckVector("tokens", tokens, kInt64, batch);
   CheckVector("step_idx", step_idx, kInt64, batch);

@@ -240,8 +240,9 @@ PADDLE_STEP_LOOP_INLINE void AttendRows(const T* q, int64_t group,
         dot = Dot(q + h * head_dim, k, head_dim);
       } else {
         dot = 0;
-        for (int64_t d = 0; d < head_dim; ++d)
+        for (int64_t d = 0; d < head_dim; ++d) {
           dot += q[h * head_dim + d] * k[d];
+        }
       }
       scores[h * count + j] = dot * scale;
     }
@@ -249,8 +250,9 @@ PADDLE_STEP_LOOP_INLINE void AttendRows(const T* q, int64_t group,
   for (int64_t h = 0; h < heads; ++h) {
     T* row = scores + h * count;
     T largest = row[0];
-    for (int64_t j = 1; j < count; ++j)
+    for (int64_t j = 1; j < count; ++j) {
       largest = row[j] > largest ? row[j] : largest;
+    }
     for (int64_t j = 0; j < count; ++j) row[j] -= largest;
     double total = 0;
     if constexpr (std::is_same_v<T, float>) {
@@ -286,8 +288,9 @@ PADDLE_STEP_LOOP_INLINE void AttendRows(const T* q, int64_t group,
     }
     for (; d < head_dim; ++d) {  // float64, and a float32 head's last dims
       T sum = 0;
-      for (int64_t j = 0; j < count; ++j)
+      for (int64_t j = 0; j < count; ++j) {
         sum += weights[j] * v[slots[j] * stride + d];
+      }
       o[d] = sum;
     }
   }

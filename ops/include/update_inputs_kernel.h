@@ -8,8 +8,8 @@
 namespace paddle_step {
 namespace cpu {
 
-// The slot state a step's sampled tokens update, all [batch] unless noted.
-// Rows are `stride` elements apart in the [batch, width] tables.
+// The slot state a step's sampled tokens update, all [batch] unless noted;
+// the [batch, width] tables are dense, rows `*_width` elements apart.
 struct UpdateInputsProblem {
   int64_t batch = 0;
   const bool* running = nullptr;  // not stopped before the step
