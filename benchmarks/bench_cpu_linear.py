@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import platform
 import statistics
 import sys
@@ -59,6 +58,7 @@ import paddle_step_ops as _library  # noqa: E402
 from paddle_step.engine.cpu_threads import available_cores  # noqa: E402
 from paddle_step.layers import cpu_linear  # noqa: E402
 from paddle_step.layers.dense_blocks import WIDENED_ISA  # noqa: E402
+from paddle_step.layers.prefetch_distance import choose, last_level_cache_bytes  # noqa: E402
 
 ROWS = (1, 8, 32)
 HIDDEN, INTERMEDIATE, QKV, VOCAB = 896, 4864, 1152, 151936
@@ -79,21 +79,6 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
-
-
-def last_level_cache_bytes() -> int:
-    """The largest cache the OS reports (sysfs), or 32 MiB when it reports none."""
-    sizes = []
-    base = "/sys/devices/system/cpu/cpu0/cache"
-    for entry in os.listdir(base) if os.path.isdir(base) else []:
-        try:
-            with open(os.path.join(base, entry, "size")) as size:
-                text = size.read().strip()
-        except OSError:
-            continue
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        sizes.append(int(text.rstrip("KMG")) * scale)
-    return max(sizes, default=32 << 20)
 
 
 def set_threads(threads: int) -> None:
@@ -118,13 +103,20 @@ def interleaved_medians(calls: dict, repeats: int) -> dict:
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def machine_limits(threads: int, read_mib: int, repeats: int) -> dict:
+def machine_limits(threads: int, read_mib: int, repeats: int, weight_format: str) -> dict:
+    """The read bandwidth and matmul peak on ``threads`` threads, and the prefetch distances
+    the engine would choose there (the op's products then use them)."""
     set_threads(threads)
+    prefetch = choose(HIDDEN, weight_format)
     data = paddle.ones([read_mib << 18], dtype="float32")
     seconds = median_seconds(lambda: _library.cpu_read_sum(data), repeats)
     samples = FMA_SAMPLES if repeats > 3 else 10
     peak = max(_library.cpu_fma_rate(FMA_ITERATIONS) for _ in range(samples))
-    return {"read_gb_s": (read_mib << 20) / seconds / 1e9, "peak_gflop_s": peak / 1e9}
+    return {
+        "read_gb_s": (read_mib << 20) / seconds / 1e9,
+        "peak_gflop_s": peak / 1e9,
+        "prefetch_bytes": {"one_row": prefetch.one_row, "several_rows": prefetch.several_rows},
+    }
 
 
 class Product:
@@ -232,7 +224,7 @@ def measure(args) -> dict:
 
     limits, results = {}, []
     for threads in args.threads:
-        limits[threads] = machine_limits(threads, read_mib, args.repeats)
+        limits[threads] = machine_limits(threads, read_mib, args.repeats, args.format)
         for product in products:
             for rows in args.rows:
                 repeats = max(3, args.repeats // 2) if product.name == "lm_head" else args.repeats
@@ -299,8 +291,11 @@ def print_report(report: dict) -> None:
           f"last-level cache {llc:.0f} MiB), paddle {env['paddle']}; weights in "
           f"{env['format']}")  # fmt: skip
     for threads, limits in report["machine"].items():
+        prefetch = limits["prefetch_bytes"]
         print(f"{threads} thread(s): read bandwidth {limits['read_gb_s']:.1f} GB/s, "
-              f"matmul peak {limits['peak_gflop_s']:.1f} GFLOP/s")  # fmt: skip
+              f"matmul peak {limits['peak_gflop_s']:.1f} GFLOP/s; the op prefetches "
+              f"{prefetch['one_row']} B ahead for one row, {prefetch['several_rows']} B for "
+              "several")  # fmt: skip
     for name, product in report["config"]["products"].items():
         print(f"{name}: {product['shapes']}, {product['weight_mb']:.1f} MB, "
               f"{product['copies']} copies")  # fmt: skip

@@ -203,6 +203,10 @@ PYBIND11_MODULE(paddle_step_ops, module) {
              pybind11::arg("name"));
   module.def("cpu_linear_isa", &paddle_step::CpuLinearIsa);
   module.def("cpu_linear_best_isa", &paddle_step::CpuLinearBestIsa);
+  module.def("cpu_linear_set_prefetch_bytes",
+             &paddle_step::CpuLinearSetPrefetchBytes, pybind11::arg("one_row"),
+             pybind11::arg("several_rows"));
+  module.def("cpu_linear_prefetch_bytes", &paddle_step::CpuLinearPrefetchBytes);
   module.def("cpu_write_kv", &paddle_step::CpuWriteKv,
              pybind11::arg("key_cache"), pybind11::arg("value_cache"),
              pybind11::arg("layer"), pybind11::arg("slots"), pybind11::arg("k"),

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #ifdef __linux__
@@ -59,6 +60,8 @@ struct CpuLinearState {
   cpu::Isa best = cpu::DetectIsa();
   cpu::Isa isa = best;
   std::string isa_error;
+  int64_t prefetch_one_row = cpu::kDefaultPrefetchBytes;
+  int64_t prefetch_several_rows = cpu::kDefaultPrefetchBytes;
   cpu::ThreadPool pool;
 
   CpuLinearState() {
@@ -230,6 +233,8 @@ paddle::Tensor CpuLinear(const paddle::Tensor& x, const paddle::Tensor& weights,
   problem.w.data = weights.data();
   problem.y = y.data<float>();
   problem.y_stride = n;
+  problem.prefetch_bytes =
+      m == 1 ? state.prefetch_one_row : state.prefetch_several_rows;
   // The caller's thread prepares x, the pool's threads read it.
   thread_local std::vector<uint32_t> scratch;
   scratch.resize(cpu::ActivationBytes(isa, problem.w, m) / sizeof(uint32_t));
@@ -261,6 +266,23 @@ void CpuLinearSetIsa(const std::string& name) {
 std::string CpuLinearIsa() { return cpu::IsaName(State().isa); }
 
 std::string CpuLinearBestIsa() { return cpu::IsaName(State().best); }
+
+void CpuLinearSetPrefetchBytes(int64_t one_row, int64_t several_rows) {
+  const std::string expected =
+      "a multiple of 64 from 0 to " + std::to_string(kMaxPrefetchBytes);
+  for (const auto& [name, bytes] : {std::pair{"one_row", one_row},
+                                    std::pair{"several_rows", several_rows}}) {
+    if (bytes < 0 || bytes > kMaxPrefetchBytes || bytes % 64 != 0) {
+      kCheck.Fail(name, expected, std::to_string(bytes));
+    }
+  }
+  State().prefetch_one_row = one_row;
+  State().prefetch_several_rows = several_rows;
+}
+
+std::vector<int64_t> CpuLinearPrefetchBytes() {
+  return {State().prefetch_one_row, State().prefetch_several_rows};
+}
 
 double CpuReadSum(const paddle::Tensor& data) {
   CpuLinearState& state = State();

@@ -186,6 +186,9 @@ struct PackedWeights {
   }
 };
 
+// PrefetchAhead's distance until a measurement chooses one.
+constexpr int64_t kDefaultPrefetchBytes = 2048;
+
 struct LinearProblem {
   const float* x = nullptr;  // [m, k], rows x_stride apart
   int64_t m = 0;
@@ -200,6 +203,11 @@ struct LinearProblem {
   const uint32_t* x_words = nullptr;
   int64_t x_words_stride = 0;
   const float* x_scales = nullptr;  // [m], uint8 quads only
+  // How far ahead of its loads a tile asks for weights (PrefetchAhead), in
+  // bytes: 0 leaves them to the hardware prefetcher. The best distance
+  // depends on the CPU, its memory and the tile's rows, so the caller passes
+  // a measured one.
+  int64_t prefetch_bytes = kDefaultPrefetchBytes;
 };
 
 // The rows of x a tile of a product multiplies: [row, row + its rows).
@@ -311,13 +319,12 @@ namespace avx512_path {
 
 constexpr int kRows = 8;
 
-// Asks for the cache line kPrefetchBytes ahead of `at` in the panels: a tile
-// that computes between its loads reads memory slower than the hardware
-// prefetcher alone keeps up with (measured: the int8 LM head at M = 8 took
-// twice as long without it). Call once per 64 bytes of weights read.
-constexpr int64_t kPrefetchBytes = 2048;
-PADDLE_STEP_INLINE void PrefetchAhead(const void* at) {
-  _mm_prefetch(static_cast<const char*>(at) + kPrefetchBytes, _MM_HINT_T0);
+// Asks for the cache line `ahead` bytes past `at` in the panels: a tile that
+// computes between its loads reads memory slower than the hardware prefetcher
+// alone keeps up with (measured: the int8 LM head at M = 8 took twice as long
+// without it). Call once per 64 bytes of weights read.
+PADDLE_STEP_INLINE void PrefetchAhead(const void* at, int64_t ahead) {
+  _mm_prefetch(static_cast<const char*>(at) + ahead, _MM_HINT_T0);
 }
 
 // The sums of a tile: its kTileRows rows of x times one panel.
@@ -381,10 +388,11 @@ template <int kTileRows>
 void TileFloat32(const LinearProblem& p, int64_t panel, int64_t row) {
   const int64_t k = p.w.k;
   const float* w = p.w.Panel<float>(panel);
+  const int64_t ahead = p.prefetch_bytes;
   Accumulators<kTileRows> acc(p, row);
   for (int64_t kk = 0; kk < k; ++kk) {
-    PrefetchAhead(w + kk * kPanelWidth);
-    PrefetchAhead(w + kk * kPanelWidth + 16);
+    PrefetchAhead(w + kk * kPanelWidth, ahead);
+    PrefetchAhead(w + kk * kPanelWidth + 16, ahead);
     acc.Add(kk, _mm512_loadu_ps(w + kk * kPanelWidth),
             _mm512_loadu_ps(w + kk * kPanelWidth + 16));
   }
@@ -405,12 +413,13 @@ template <int kTileRows>
 void TileBFloat16(const LinearProblem& p, int64_t panel, int64_t row) {
   const int64_t k = p.w.k;
   const uint16_t* w = p.w.Panel<uint16_t>(panel);
+  const int64_t ahead = p.prefetch_bytes;
   Accumulators<kTileRows> acc(p, row);
   const int64_t full_pairs = k / 2;
   for (int64_t s = 0; s < full_pairs; ++s) {
     const uint16_t* pair_row = w + s * 2 * kPanelWidth;
-    PrefetchAhead(pair_row);
-    PrefetchAhead(pair_row + 32);
+    PrefetchAhead(pair_row, ahead);
+    PrefetchAhead(pair_row + 32, ahead);
     const __m512i low = _mm512_loadu_si512(pair_row);
     const __m512i high = _mm512_loadu_si512(pair_row + 32);
     acc.Add(2 * s, EvenRow(low), EvenRow(high));
@@ -433,9 +442,10 @@ PADDLE_STEP_INLINE __m512 Int8Values(const int8_t* q) {
 // acc += x[:, kk] * q[kk] for the rows [begin, end) of K of an int8 panel.
 template <int kTileRows>
 PADDLE_STEP_INLINE void AddInt8Rows(const int8_t* w, int64_t begin,
-                                    int64_t end, Accumulators<kTileRows>& acc) {
+                                    int64_t end, int64_t ahead,
+                                    Accumulators<kTileRows>& acc) {
   for (int64_t kk = begin; kk < end; ++kk) {
-    if (kk % 2 == 0) PrefetchAhead(w + kk * kPanelWidth);
+    if (kk % 2 == 0) PrefetchAhead(w + kk * kPanelWidth, ahead);
     acc.Add(kk, Int8Values(w + kk * kPanelWidth),
             Int8Values(w + kk * kPanelWidth + 16));
   }
@@ -448,7 +458,7 @@ void TileInt8(const LinearProblem& p, int64_t panel, int64_t row) {
   const int8_t* w = p.w.Panel<int8_t>(panel);
   const float* scales = p.w.scales + panel * kPanelWidth;
   Accumulators<kTileRows> acc(p, row);
-  AddInt8Rows(w, 0, k, acc);
+  AddInt8Rows(w, 0, k, p.prefetch_bytes, acc);
   const __m512 s0 = _mm512_loadu_ps(scales);
   const __m512 s1 = _mm512_loadu_ps(scales + 16);
 #pragma GCC unroll 16
@@ -473,7 +483,8 @@ void TileInt8Grouped(const LinearProblem& p, int64_t panel, int64_t row) {
   Accumulators<kTileRows> total(p, row);
   for (int64_t g = 0; g < groups; ++g) {
     Accumulators<kTileRows> part(p, row);
-    AddInt8Rows(w, g * group_size, std::min(k, (g + 1) * group_size), part);
+    AddInt8Rows(w, g * group_size, std::min(k, (g + 1) * group_size),
+                p.prefetch_bytes, part);
     const __m512 s0 = _mm512_loadu_ps(scales + g * kPanelWidth);
     const __m512 s1 = _mm512_loadu_ps(scales + g * kPanelWidth + 16);
 #pragma GCC unroll 16
@@ -592,10 +603,11 @@ void TileBFloat16(const LinearProblem& p, int64_t panel, int64_t row) {
   const __m512i* w =
       reinterpret_cast<const __m512i*>(p.w.Panel<uint16_t>(panel));
   const uint32_t* x = p.x_words + row * p.x_words_stride;
+  const int64_t ahead = p.prefetch_bytes;
   avx512_path::Accumulators<kTileRows> acc(p, row);
   for (int64_t s = 0; s < pairs; ++s) {
-    avx512_path::PrefetchAhead(w + 2 * s);
-    avx512_path::PrefetchAhead(w + 2 * s + 1);
+    avx512_path::PrefetchAhead(w + 2 * s, ahead);
+    avx512_path::PrefetchAhead(w + 2 * s + 1, ahead);
     const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + 2 * s));
     const __m512bh w1 =
         reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + 2 * s + 1));
@@ -714,10 +726,11 @@ void TileInt8(const LinearProblem& p, int64_t panel, int64_t row) {
     }
   };
   const int64_t quads = k / 4;
+  const int64_t ahead = p.prefetch_bytes;
   for (int64_t t = 0; t < quads; ++t) {
     const int8_t* rows = w + 4 * t * kPanelWidth;
-    avx512_path::PrefetchAhead(rows);
-    avx512_path::PrefetchAhead(rows + 64);
+    avx512_path::PrefetchAhead(rows, ahead);
+    avx512_path::PrefetchAhead(rows + 64, ahead);
     add_quad(rows, t);
   }
   if (k % 4) {  // the last rows, padded with zero rows (the panel ends there)

@@ -48,6 +48,17 @@ std::string CpuLinearIsa();
 // The best path this CPU supports.
 std::string CpuLinearBestIsa();
 
+// How far ahead of their loads the products ask for weights, in bytes, for
+// products of one row of x and of several: multiples of 64 from 0 (the
+// hardware prefetcher alone) to kMaxPrefetchBytes. The best distance depends
+// on the CPU, its memory and how much a tile computes per byte, so it is
+// chosen by timing (cpu_linear.choose_prefetch_bytes); it never changes a
+// result.
+constexpr int64_t kMaxPrefetchBytes = 65536;
+void CpuLinearSetPrefetchBytes(int64_t one_row, int64_t several_rows);
+// {one row, several rows}.
+std::vector<int64_t> CpuLinearPrefetchBytes();
+
 // Sum of a contiguous float32 CPU tensor, read on all the product's threads
 // with its instruction set: the benchmark's read bandwidth.
 double CpuReadSum(const paddle::Tensor& data);

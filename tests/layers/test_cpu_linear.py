@@ -287,6 +287,27 @@ def test_bfloat16_weights_are_kept_exactly():
     check_product(y, x, w.astype("float32").numpy(), None)
 
 
+@pytest.mark.parametrize("weight_format, group_size", FORMATS)
+def test_prefetch_distance_never_changes_a_product(isa_path, weight_format, group_size):
+    # One row and several, on the tile heights of every path; the distances span none, one
+    # line, past the end of the panels and the largest allowed.
+    cases = [i for i, (m, k, _) in enumerate(SHAPES) if k == 896 or m in (1, 7, 13)]
+    kept = cpu_linear.prefetch_bytes()
+    try:
+        for index in cases:
+            x, _, bias = shape_case(index)
+            packed = packed_case(index, weight_format, group_size)
+            args = (paddle.to_tensor(x), packed, None if bias is None else paddle.to_tensor(bias))
+            outputs = []
+            for distance in (0, 64, 16384, 65536):
+                cpu_linear.set_prefetch_bytes(distance, 65536 - distance)
+                outputs.append(cpu_linear.linear(*args).numpy())
+            for y in outputs[1:]:
+                np.testing.assert_array_equal(y, outputs[0])
+    finally:
+        cpu_linear.set_prefetch_bytes(*kept)
+
+
 def test_rows_of_a_wider_matrix_need_no_copy():
     rng = np.random.default_rng(5)
     wide = paddle.to_tensor(rng.standard_normal((6, 120)).astype(np.float32))
@@ -329,7 +350,15 @@ def test_bad_arguments_are_named():
         ("'threads': expected a positive integer, got 0", cpu_linear.set_num_threads, 0),
         ("'isa': expected one of auto, scalar, avx2, avx512, avx512_bf16, got 'sse'",
          cpu_linear.set_isa, "sse"),
+        ("'one_row': expected a multiple of 64 from 0 to 65536, got -64",
+         cpu_linear.set_prefetch_bytes, -64, 0),
+        ("'several_rows': expected a multiple of 64 from 0 to 65536, got 100",
+         cpu_linear.set_prefetch_bytes, 0, 100),
+        ("'several_rows': expected a multiple of 64 from 0 to 65536, got 65600",
+         cpu_linear.set_prefetch_bytes, 64, 65600),
     ]  # fmt: skip
+    kept = cpu_linear.prefetch_bytes()
     for match, call, *args in cases:
         with pytest.raises(ValueError, match="argument " + match):
             call(*args)
+    assert cpu_linear.prefetch_bytes() == kept  # a refused setting changes nothing

@@ -122,7 +122,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print on stderr how each dense block runs for each row count (eager, the CPU "
         "op or compiled: the fastest, timed the first time the row count appears), and "
-        "where whole layers as one CPU call were timed against the blocks",
+        "where whole layers as one CPU call were timed against the blocks, and the distance "
+        "the CPU op's products prefetch their weights at (timed at start)",
     )
     group.add_argument("--seed", type=int, default=0, help="sampling (and random weights)")
     group.add_argument(
@@ -271,9 +272,9 @@ def engine_config(args: argparse.Namespace, context_len: int) -> EngineConfig:
 
 
 def explain_dense() -> None:
-    """Shows the dense blocks' and the layers' choices (``layers.dense_blocks`` logs them)
-    on stderr."""
-    logger = logging.getLogger("paddle_step.layers.dense_blocks")
+    """Shows the dense blocks', the layers' and the prefetch distance's choices
+    (``layers.dense_blocks`` and ``layers.prefetch_distance`` log them) on stderr."""
+    logger = logging.getLogger("paddle_step.layers")
     if not any(getattr(h, "explains_dense", False) for h in logger.handlers):
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("dense: %(message)s"))

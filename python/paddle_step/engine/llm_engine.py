@@ -35,6 +35,7 @@ import numpy as np
 import paddle
 
 from ..config import EngineConfig
+from ..layers import prefetch_distance
 from ..layers.sampler import sample_key, sampling_key, token_logprobs
 from ..models.llama import LlamaForCausalLM
 from ..sampling_params import SamplingParams
@@ -89,6 +90,8 @@ class Engine:
         # Every core by default (paddle's import leaves one), shared among TP ranks.
         self.threads = config.threads or default_threads(paddle.distributed.get_world_size())
         set_compute_threads(self.threads)
+        if model.blocks.use_op:
+            prefetch_distance.choose_for_model(model.config)
         self.seed = seed
         self.check_state = check_state
         self.after_step = after_step

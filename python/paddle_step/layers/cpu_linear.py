@@ -147,3 +147,16 @@ def isa() -> str:
 def best_isa() -> str:
     """The most capable path this CPU supports."""
     return _library.cpu_linear_best_isa()
+
+
+def set_prefetch_bytes(one_row: int, several_rows: int) -> None:
+    """How far ahead of their loads products of one row of x and of several ask for
+    weights: multiples of 64 bytes up to 65,536, 0 for none. Never changes a result; the
+    engine times the best (``layers.prefetch_distance``)."""
+    _library.cpu_linear_set_prefetch_bytes(one_row, several_rows)
+
+
+def prefetch_bytes() -> tuple[int, int]:
+    """The distances products use now: (one row, several rows)."""
+    one_row, several_rows = _library.cpu_linear_prefetch_bytes()
+    return one_row, several_rows
