@@ -33,21 +33,28 @@ def test_build_flat_batch_positions_and_slots(on_host: bool) -> None:
         )
 
 
-@pytest.mark.parametrize("with_decode_inputs", [False, True])
-def test_build_flat_batch_on_host_equals_the_paddle_ops(with_decode_inputs: bool) -> None:
+@pytest.mark.parametrize("decode_rows", ["none", "some", "every"])
+def test_build_flat_batch_on_host_equals_the_paddle_ops(decode_rows: str) -> None:
+    # "every": the full-batch decode step, whose flat batch the host path takes from the
+    # decode inputs as they are.
+    with_decode_inputs = decode_rows != "none"
     rng = np.random.default_rng(4)
     decoded = 0
     for block_size, batch, width in [(1, 3, 5), (4, 7, 9), (16, 64, 33)]:
         rows = [rng.integers(0, 500, rng.integers(0, width + 1)).tolist() for _ in range(batch)]
         rows[0] = rows[0] or [1]  # at least one token
-        if with_decode_inputs:  # every other row runs one token: decoding or not
+        if decode_rows == "some":  # every other row runs one token: decoding or not
             rows[1::2] = [[7] for _ in rows[1::2]]
+        if decode_rows == "every":
+            rows = [[7] for _ in rows]
         starts = rng.integers(0, 40, batch).tolist()
         tables = rng.integers(-1, 50, (batch, -(-(40 + width) // block_size)))
         state = slot_state(rows, starts, width)
         decode = None
         if with_decode_inputs:  # of the one-token rows, most decode
-            active = np.array([len(row) == 1 for row in rows]) & (rng.random(batch) < 0.7)
+            active = np.array([len(row) == 1 for row in rows])
+            if decode_rows == "some":
+                active &= rng.random(batch) < 0.7
             decode = DecodeInputs(*(paddle.to_tensor(a) for a in (
                 active, rng.integers(500, 900, batch), rng.integers(40, 90, batch),
                 rng.integers(-1, 800, batch))))  # fmt: skip
@@ -67,6 +74,8 @@ def test_build_flat_batch_on_host_equals_the_paddle_ops(with_decode_inputs: bool
             else:
                 assert host[key] == ops[key], key
     assert decoded > 0 or not with_decode_inputs
+    if decode_rows == "every":
+        assert decoded == 3 + 7 + 64
 
 
 def test_slot_minus_one_writes_nothing() -> None:

@@ -150,3 +150,19 @@ def test_chunk_rows_beside_decode_and_prefill_rows_match_naive(model64: LlamaFor
     logits = model64.forward_paged(**step, kv_cache=cache).numpy()
     expected = model64.forward_naive([long_a, decoding, long_b, fresh]).numpy()
     np.testing.assert_allclose(logits, expected, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("rope_theta", [10000.0, 1e6])
+def test_rope_table_rows_equal_the_rope_computed_alone(rope_theta: float) -> None:
+    """On the CPU, ``_rope`` reads rows of a table of every position (grown as positions
+    grow): bit for bit the values computed for the positions themselves."""
+    model = LlamaForCausalLM(
+        ModelConfig(hidden_size=96, num_heads=3, num_kv_heads=1, rope_theta=rope_theta)
+    )
+    rng = np.random.default_rng(7)
+    for largest in (5, 17, 600, 5000):  # the table grows three times
+        positions = paddle.to_tensor(rng.integers(0, largest, rng.integers(1, 40)))
+        for table, computed in zip(model._rope(positions), model._rope_of(positions)):
+            assert table.shape == computed.shape == [positions.shape[0], 1, 32]
+            np.testing.assert_array_equal(table.numpy(), computed.numpy())
+    assert model._rope_table[0].shape[0] == 8192

@@ -152,12 +152,13 @@ class ModelRunner:
             self.config.block_size,
             decode_inputs=decode_inputs,
         )
-        last = batch["last_token_index"]
-        slots = paddle.nonzero(last >= 0).reshape([-1])
-        batch["last_token_index"] = paddle.gather(last, slots)
+        last = batch["last_token_index"].numpy()
+        every_slot = bool((last >= 0).all())  # the common decode step: no gather, no scatter
+        if not every_slot:
+            slots = paddle.to_tensor(np.flatnonzero(last >= 0))
+            batch["last_token_index"] = paddle.to_tensor(last[last >= 0])
         extra = None
         if logit_rows:
-            last = last.numpy()
             index = np.concatenate(
                 [np.arange(count) + last[slot] - back for slot, back, count in logit_rows]
             )
@@ -165,8 +166,8 @@ class ModelRunner:
         outputs = self.model.forward_paged(**batch, kv_cache=self.kv_cache)
         if logit_rows:
             outputs, extra = outputs
-        if outputs.shape[0] == self.config.max_batch:
-            return outputs, extra  # every slot ran a token: ``slots`` is 0..B-1 in order
+        if every_slot:
+            return outputs, extra
         logits = paddle.zeros([self.config.max_batch, outputs.shape[1]], dtype=outputs.dtype)
         return paddle.scatter(logits, slots, outputs), extra
 

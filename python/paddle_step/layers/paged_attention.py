@@ -281,6 +281,34 @@ def build_flat_batch(
     )
 
 
+def _slot_indices(batch: int) -> paddle.Tensor:
+    """0 .. batch - 1 as an int64 tensor, made once per batch size (nothing writes it)."""
+    if batch not in _SLOT_INDICES:
+        _SLOT_INDICES[batch] = paddle.arange(batch, dtype="int64")
+    return _SLOT_INDICES[batch]
+
+
+_SLOT_INDICES: dict[int, paddle.Tensor] = {}
+
+
+def _every_slot_decodes(
+    decode_inputs: DecodeInputs, block_tables: paddle.Tensor, max_context_len: int
+) -> FlatBatch:
+    """The flat batch of a step where every slot decodes one token: slot b's token is token
+    b, with the token, position and KV slot ``advance_step`` prepared, as they are (a
+    serving step at full batch makes no tensor; the forward pass only reads them)."""
+    slots = _slot_indices(block_tables.shape[0])
+    return FlatBatch(
+        input_ids=decode_inputs.tokens,
+        positions=decode_inputs.positions,
+        slot_mapping=decode_inputs.slot_mapping,
+        token_rows=slots,
+        last_token_index=slots,
+        block_tables=block_tables,
+        max_context_len=max_context_len,
+    )
+
+
 def _flat_batch_on_host(
     input_ids: paddle.Tensor,
     seq_lens_this_time: paddle.Tensor,
@@ -294,6 +322,8 @@ def _flat_batch_on_host(
     lens = seq_lens_this_time.numpy().reshape(-1).astype(np.int64)
     starts = seq_lens_decoder.numpy().reshape(-1).astype(np.int64)
     lens = np.clip(lens, 0, width)  # as the [B, width] mask of the Paddle path
+    if decode_inputs is not None and (lens == 1).all() and decode_inputs.active.numpy().all():
+        return _every_slot_decodes(decode_inputs, block_tables, int(np.max(starts)) + 1)
     token_rows = np.repeat(np.arange(batch, dtype=np.int64), lens)
     if token_rows.size == 0:
         raise ValueError("build_flat_batch: no row has tokens this step")

@@ -366,12 +366,27 @@ class LlamaForCausalLM(nn.Layer):
         if config.rope_scaling is not None:
             inv_freq = config.rope_scaling.scale(inv_freq)
         self.inv_freq = paddle.to_tensor(inv_freq.astype(config.dtype))  # [head_dim / 2]
+        self._rope_table: tuple[paddle.Tensor, paddle.Tensor] | None = None  # CPU: _rope
         for param in self.parameters():
             param.stop_gradient = True
 
     def _rope(self, positions: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """cos and sin [T, 1, head_dim] of the tokens at ``positions`` [T] (rotate-half
+        layout, broadcast over heads). On the CPU, rows of a table of every position up to
+        the largest seen (two gathers a step instead of six ops)."""
+        if not positions.place.is_cpu_place():
+            return self._rope_of(positions)
+        needed = int(positions.numpy().max(initial=0)) + 1
+        if self._rope_table is None or self._rope_table[0].shape[0] < needed:
+            size = 1 << (needed - 1).bit_length()  # doubling: a few rebuilds in all
+            self._rope_table = self._rope_of(paddle.arange(size, dtype="int64"))
+        cos, sin = self._rope_table
+        return paddle.gather(cos, positions), paddle.gather(sin, positions)
+
+    def _rope_of(self, positions: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """``_rope`` computed: each value depends only on its position, so a table row
+        equals the value computed for that position alone."""
         angles = positions.astype(self.config.dtype).unsqueeze(1) * self.inv_freq.unsqueeze(0)
-        # [T, 1, head_dim], rotate-half layout, broadcast over heads.
         angles = paddle.concat([angles, angles], axis=-1).unsqueeze(1)
         return paddle.cos(angles), paddle.sin(angles)
 
@@ -673,11 +688,16 @@ class LlamaForCausalLM(nn.Layer):
         extra_index: paddle.Tensor | None,
     ) -> paddle.Tensor | tuple[paddle.Tensor, paddle.Tensor]:
         """``forward_paged``'s result from the hidden states of its tokens."""
-        last_hidden = paddle.gather(hidden, paddle.clip(last_token_index, min=0))
+        # The index is read on the host: a NumPy test costs a tenth of Paddle's compare, any
+        # and sync. A decode step at full batch wants every token's logits, in order.
+        index = last_token_index.numpy()
+        if index.size == hidden.shape[0] and (index == np.arange(index.size)).all():
+            last_hidden = hidden
+        else:
+            last_hidden = paddle.gather(hidden, paddle.clip(last_token_index, min=0))
         logits = self._logits(last_hidden)
-        # [R, vocab] of zeros and a select only when asked for (the index is read on the
-        # host: a NumPy test costs a tenth of Paddle's compare, any and sync).
-        if (last_token_index.numpy() < 0).any():
+        # [R, vocab] of zeros and a select only when asked for.
+        if (index < 0).any():
             no_token = (last_token_index < 0).unsqueeze(1)
             logits = paddle.where(no_token, paddle.zeros_like(logits), logits)
         if extra_index is None:
