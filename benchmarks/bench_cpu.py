@@ -7,8 +7,9 @@ downloaded): ``h512`` (hidden 512, 8 layers, 8/4 heads, intermediate 1408, vocab
 B = 1, 8, 32; 64 new tokens) and ``qwen2.5-0.5b`` (Qwen2.5-0.5B's dimensions as a Llama:
 hidden 896, 24 layers, 14/2 heads, intermediate 4864, vocab 151936, tied; B = 1, 8; 32 new
 tokens). Every batch is B prompts of 64 random token ids, greedy, no eos; tokens/s =
-B x new tokens / wall time of the whole generation, prefill included, after an untimed
-warm-up generation of the same prompts. Each engine is given room for the whole batch.
+B x new tokens / wall time of the whole generation, prefill included, the median of
+``--repeats`` timed generations (3) after an untimed warm-up generation of the same
+prompts. Each engine is given room for the whole batch.
 
 Each (engine, weight format, threads) runs in its own process (a worker script in this
 folder, in that engine's virtual environment), one thread and then every core this process
@@ -29,7 +30,7 @@ the read bandwidth a B=1 step reaches (weight bytes x tokens/s), and how many ro
 ids equal vLLM's (same dtype), with the first position where the others differ.
 
 Usage: bench_cpu.py [--quick] [--json] [--shapes h512,qwen2.5-0.5b] [--engines ...]
-                    [--formats ...] [--threads 1,2] [--work-dir .bench-cpu]
+                    [--formats ...] [--threads 1,2] [--repeats 3] [--work-dir .bench-cpu]
 """
 
 from __future__ import annotations
@@ -240,6 +241,7 @@ def run_worker(
         "format": fmt,
         "threads": threads,
         "warmup_tokens": WARMUP_TOKENS,
+        "repeats": args.repeats,
         "runs": [{"prompts": prompts_for(shape, b), "new_tokens": new_tokens} for b in batches],
     }
     job_file = work / "jobs" / f"{shape}-{engine}-{fmt}-t{threads}.json"
@@ -369,7 +371,8 @@ def print_report(report: dict) -> None:
     )
     print(
         f"Prompts of {PROMPT_LEN} token ids, greedy, tokens/s = B x new tokens / wall time "
-        "(prefill included). ids = vLLM: rows whose greedy ids equal vLLM's of the same "
+        f"(prefill included; median of {report['config'].get('repeats', 1)} generations). "
+        "ids = vLLM: rows whose greedy ids equal vLLM's of the same "
         "dtype (first differing position)."
     )
     for name, engines in (("float32", FLOAT32), ("other weight formats", OTHER_FORMATS)):
@@ -482,6 +485,12 @@ def parse_args(argv=None):
     )
     parser.add_argument("--threads", help="comma-separated thread counts (default: 1 and all)")
     parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed generations per row, the median counts (default 3; --quick: 1)",
+    )
+    parser.add_argument(
         "--work-dir",
         default=str(ROOT / ".bench-cpu"),
         help="checkpoints, GGUFs, job files and the JSON report",
@@ -517,6 +526,10 @@ def parse_args(argv=None):
         args.threads = tuple(int(t) for t in args.threads.split(","))
     else:
         args.threads = (1,) if args.quick else tuple(sorted({1, cores}))
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
+    if args.repeats < 1:
+        parser.error(f"--repeats: expected >= 1, got {args.repeats}")
     return args
 
 
@@ -550,6 +563,7 @@ def main(argv=None) -> dict:
             "runs": runs,
             "threads": list(args.threads),
             "warmup_tokens": WARMUP_TOKENS,
+            "repeats": args.repeats,
             "seed": SEED,
         },
         "results": [],

@@ -21,6 +21,7 @@ import time
 
 import llama_cpp as lib
 import numpy as np
+from bench_repeats import median_of_repeats
 
 GGML_TYPE_F32 = 0
 
@@ -137,22 +138,22 @@ def main() -> None:
             job["threads"],
             f32_cache=job["format"] == "f32",
         )
-        try:
-            runner.generate(prompts, job["warmup_tokens"])  # warm-up
+
+        def timed() -> dict:
             start = time.perf_counter()
             token_ids = runner.generate(prompts, run["new_tokens"])
-            seconds = time.perf_counter() - start
+            return {"seconds": time.perf_counter() - start, "token_ids": token_ids}
+
+        try:
+            runner.generate(prompts, job["warmup_tokens"])  # warm-up
+            result = median_of_repeats(timed, job.get("repeats", 1))
         finally:
             runner.close()
-        report["rows"].append(
-            {
-                "B": len(prompts),
-                "new_tokens": run["new_tokens"],
-                "seconds": seconds,
-                "token_ids": token_ids,
-            }
+        report["rows"].append({"B": len(prompts), "new_tokens": run["new_tokens"], **result})
+        print(
+            f"  llama.cpp {job['format']} B={len(prompts)}: {result['seconds']:.1f} s",
+            file=sys.stderr,
         )
-        print(f"  llama.cpp {job['format']} B={len(prompts)}: {seconds:.1f} s", file=sys.stderr)
     lib.llama_model_free(model)
     print(json.dumps(report))
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """bench_cpu.py's worker for paddle_step (runs in the project's .venv).
 
-Reads the job (``bench_cpu.py`` writes it: checkpoint, weight format, threads, and per
-batch size the prompts' token ids and the number of new tokens) from the JSON file named by
-the only argument, and prints one JSON line: per batch size the wall time of a greedy
-generation of every prompt at once (prefill included), tokens/s and the generated ids.
+Reads the job (``bench_cpu.py`` writes it: checkpoint, weight format, threads, timed
+repeats, and per batch size the prompts' token ids and the number of new tokens) from the
+JSON file named by the only argument, and prints one JSON line: per batch size the median
+wall time of the repeats of a greedy generation of every prompt at once (prefill included)
+and the generated ids.
 A weight format that ``load_checkpoint`` does not offer yet is reported as skipped, with
 the reason, instead of falling back to another format.
 """
@@ -20,6 +21,7 @@ import zlib  # noqa: F401  isort: skip  (loaded before paddle, see tests/conftes
 
 import paddle  # noqa: E402
 from bench_common import whole_batch_config  # noqa: E402
+from bench_repeats import median_of_repeats  # noqa: E402
 
 from paddle_step.engine.llm_engine import Engine  # noqa: E402
 from paddle_step.errors import CheckpointError  # noqa: E402
@@ -91,7 +93,10 @@ def main() -> None:
     else:
         for run in job["runs"]:
             generate(model, run["prompts"], job["warmup_tokens"], job["threads"])  # warm-up
-            result = generate(model, run["prompts"], run["new_tokens"], job["threads"])
+            result = median_of_repeats(
+                lambda: generate(model, run["prompts"], run["new_tokens"], job["threads"]),
+                job.get("repeats", 1),
+            )
             report["rows"].append(
                 {"B": len(run["prompts"]), "new_tokens": run["new_tokens"], **result}
             )

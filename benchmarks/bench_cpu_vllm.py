@@ -16,6 +16,8 @@ import os
 import sys
 import time
 
+from bench_repeats import median_of_repeats
+
 
 def cpu_list(cpus: list[int]) -> str:
     return ",".join(str(c) for c in cpus)
@@ -71,7 +73,9 @@ def main() -> None:
 
     for run in runs:
         generate(run["prompts"], job["warmup_tokens"])  # warm-up
-        result = generate(run["prompts"], run["new_tokens"])
+        result = median_of_repeats(
+            lambda: generate(run["prompts"], run["new_tokens"]), job.get("repeats", 1)
+        )
         report["rows"].append({"B": len(run["prompts"]), "new_tokens": run["new_tokens"], **result})
         print(
             f"  vllm {job['format']} B={len(run['prompts'])}: {result['seconds']:.1f} s",

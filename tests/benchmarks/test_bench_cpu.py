@@ -112,3 +112,13 @@ def test_quick_run_of_our_engine(tmp_path):
         assert row["tokens_per_s"] > 0
     assert [ln["B"] for ln in report["table"]] == [1, 2]
     assert json.loads((tmp_path / "work" / "bench_cpu.json").read_text())["results"]
+
+
+def test_a_row_is_the_median_of_its_timed_generations():
+    repeats = load_script("bench_repeats")
+    runs = iter([{"seconds": 3.0, "token_ids": [[1]]}, {"seconds": 1.0, "token_ids": [[2]]},
+                 {"seconds": 2.0, "token_ids": [[3]]}])  # fmt: skip
+    row = repeats.median_of_repeats(lambda: next(runs), 3)
+    assert row == {"seconds": 2.0, "seconds_each": [3.0, 1.0, 2.0], "token_ids": [[1]]}
+    once = repeats.median_of_repeats(lambda: {"seconds": 5.0, "token_ids": []}, 0)
+    assert once["seconds_each"] == [5.0]
