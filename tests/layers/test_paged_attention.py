@@ -33,10 +33,10 @@ def test_build_flat_batch_positions_and_slots(on_host: bool) -> None:
         )
 
 
-@pytest.mark.parametrize("decode_rows", ["none", "some", "every"])
+@pytest.mark.parametrize("decode_rows", ["none", "some", "only", "every"])
 def test_build_flat_batch_on_host_equals_the_paddle_ops(decode_rows: str) -> None:
-    # "every": the full-batch decode step, whose flat batch the host path takes from the
-    # decode inputs as they are.
+    # "only": every row with a token decodes it, some rows idle; "every": the full-batch
+    # decode step, whose flat batch the host path takes from the decode inputs as they are.
     with_decode_inputs = decode_rows != "none"
     rng = np.random.default_rng(4)
     decoded = 0
@@ -47,6 +47,8 @@ def test_build_flat_batch_on_host_equals_the_paddle_ops(decode_rows: str) -> Non
             rows[1::2] = [[7] for _ in rows[1::2]]
         if decode_rows == "every":
             rows = [[7] for _ in rows]
+        if decode_rows == "only":  # the first row decodes, about half the others idle
+            rows = [[7] if i == 0 or rng.random() < 0.5 else [] for i in range(batch)]
         starts = rng.integers(0, 40, batch).tolist()
         tables = rng.integers(-1, 50, (batch, -(-(40 + width) // block_size)))
         state = slot_state(rows, starts, width)
@@ -76,6 +78,8 @@ def test_build_flat_batch_on_host_equals_the_paddle_ops(decode_rows: str) -> Non
     assert decoded > 0 or not with_decode_inputs
     if decode_rows == "every":
         assert decoded == 3 + 7 + 64
+    if decode_rows == "only":
+        assert 3 < decoded < 3 + 7 + 64
 
 
 def test_slot_minus_one_writes_nothing() -> None:

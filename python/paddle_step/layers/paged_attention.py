@@ -291,21 +291,29 @@ def _slot_indices(batch: int) -> paddle.Tensor:
 _SLOT_INDICES: dict[int, paddle.Tensor] = {}
 
 
-def _every_slot_decodes(
-    decode_inputs: DecodeInputs, block_tables: paddle.Tensor, max_context_len: int
+def _decode_rows_only(
+    decode_inputs: DecodeInputs, lens: np.ndarray, starts: np.ndarray, block_tables: paddle.Tensor
 ) -> FlatBatch:
-    """The flat batch of a step where every slot decodes one token: slot b's token is token
-    b, with the token, position and KV slot ``advance_step`` prepared, as they are (a
-    serving step at full batch makes no tensor; the forward pass only reads them)."""
-    slots = _slot_indices(block_tables.shape[0])
+    """The flat batch of a step where every row with a token (``lens`` 0 or 1) decodes it:
+    the token, position and KV slot ``advance_step`` prepared, of those rows. At full batch,
+    the decode inputs as they are (the forward pass only reads them) and the slot indices
+    made once: no tensor made."""
+    running = lens > 0
+    prepared = (decode_inputs.tokens, decode_inputs.positions, decode_inputs.slot_mapping)
+    if running.all():
+        rows = last_token_index = _slot_indices(lens.size)
+    else:
+        rows = paddle.to_tensor(np.flatnonzero(running))
+        prepared = tuple(paddle.gather(values, rows) for values in prepared)
+        last_token_index = paddle.to_tensor(np.where(running, np.cumsum(lens) - 1, -1))
     return FlatBatch(
-        input_ids=decode_inputs.tokens,
-        positions=decode_inputs.positions,
-        slot_mapping=decode_inputs.slot_mapping,
-        token_rows=slots,
-        last_token_index=slots,
+        input_ids=prepared[0],
+        positions=prepared[1],
+        slot_mapping=prepared[2],
+        token_rows=rows,
+        last_token_index=last_token_index,
         block_tables=block_tables,
-        max_context_len=max_context_len,
+        max_context_len=int(np.max(np.where(running, starts + 1, 0))),
     )
 
 
@@ -322,8 +330,9 @@ def _flat_batch_on_host(
     lens = seq_lens_this_time.numpy().reshape(-1).astype(np.int64)
     starts = seq_lens_decoder.numpy().reshape(-1).astype(np.int64)
     lens = np.clip(lens, 0, width)  # as the [B, width] mask of the Paddle path
-    if decode_inputs is not None and (lens == 1).all() and decode_inputs.active.numpy().all():
-        return _every_slot_decodes(decode_inputs, block_tables, int(np.max(starts)) + 1)
+    if decode_inputs is not None and lens.any() and (lens <= 1).all():
+        if decode_inputs.active.numpy().reshape(-1)[lens > 0].all():
+            return _decode_rows_only(decode_inputs, lens, starts, block_tables)
     token_rows = np.repeat(np.arange(batch, dtype=np.int64), lens)
     if token_rows.size == 0:
         raise ValueError("build_flat_batch: no row has tokens this step")
