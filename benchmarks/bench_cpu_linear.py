@@ -103,11 +103,12 @@ def interleaved_medians(calls: dict, repeats: int) -> dict:
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def machine_limits(threads: int, read_mib: int, repeats: int, weight_format: str) -> dict:
+def machine_limits(threads: int, read_mib: int, repeats: int, layer: Product) -> dict:
     """The read bandwidth and matmul peak on ``threads`` threads, and the prefetch distances
-    the engine would choose there (the op's products then use them)."""
+    the engine would choose there, timed as it does on a decode step's products: the
+    ``layer`` product's copies in sequence (the op's products then use them)."""
     set_threads(threads)
-    prefetch = choose(HIDDEN, weight_format)
+    prefetch = choose([packed for copy in layer.packed for packed in copy])
     data = paddle.ones([read_mib << 18], dtype="float32")
     seconds = median_seconds(lambda: _library.cpu_read_sum(data), repeats)
     samples = FMA_SAMPLES if repeats > 3 else 10
@@ -224,7 +225,8 @@ def measure(args) -> dict:
 
     limits, results = {}, []
     for threads in args.threads:
-        limits[threads] = machine_limits(threads, read_mib, args.repeats, args.format)
+        layer = next(p for p in products if p.name == "layer")
+        limits[threads] = machine_limits(threads, read_mib, args.repeats, layer)
         for product in products:
             for rows in args.rows:
                 repeats = max(3, args.repeats // 2) if product.name == "lm_head" else args.repeats

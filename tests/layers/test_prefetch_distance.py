@@ -6,6 +6,7 @@ That the distance never changes a product is tested with the products
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from paddle_step.config import ModelConfig
@@ -19,14 +20,15 @@ QWEN_LIKE = ModelConfig(
 
 
 @pytest.fixture
-def small_cache(monkeypatch):
-    """A 64 KiB last-level cache: the timed weights are 128 KiB, quick to time; the
-    process's distances and remembered choices are restored afterwards."""
-    monkeypatch.setattr(prefetch_distance, "last_level_cache_bytes", lambda: 64 << 10)
-    monkeypatch.setattr(prefetch_distance, "_chosen", {})
+def restored():
+    """The process's distances and remembered choices, restored afterwards."""
     kept = cpu_linear.prefetch_bytes()
+    chosen = dict(prefetch_distance._chosen)
+    prefetch_distance._chosen.clear()
     yield
     cpu_linear.set_prefetch_bytes(*kept)
+    prefetch_distance._chosen.clear()
+    prefetch_distance._chosen.update(chosen)
 
 
 def test_last_level_cache_is_the_largest_cache_reported():
@@ -34,42 +36,65 @@ def test_last_level_cache_is_the_largest_cache_reported():
     assert size >= 1 << 20 and size % 1024 == 0
 
 
+@pytest.mark.parametrize("weight_format", [None, "bfloat16", "int8"])
 @pytest.mark.parametrize("tied", [True, False])
-def test_streamed_weight_bytes_are_the_products_weights(tied):
-    config = replace(QWEN_LIKE, tie_word_embeddings=tied)
-    model = LlamaForCausalLM(config)
-    names = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-    weights = sum(getattr(layer, name).size for layer in model.layers for name in names)
-    weights += (model.embed if tied else model.lm_head).size
-    assert prefetch_distance.streamed_weight_bytes(config) == 4 * weights
-    for weight_format, size in (("bfloat16", 2), ("int8", 1)):
-        packed = replace(config, weight_format=weight_format)
-        assert prefetch_distance.streamed_weight_bytes(packed) == size * weights
+def test_decode_products_are_each_layers_four_then_the_lm_head(weight_format, tied):
+    config = replace(QWEN_LIKE, tie_word_embeddings=tied, weight_format=weight_format)
+    products = LlamaForCausalLM(config).decode_products()
+    hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    q_width = config.num_heads * config.head_dim
+    qkv_width = q_width + 2 * config.num_kv_heads * config.head_dim
+    layer = [(hidden, qkv_width), (q_width, hidden), (hidden, 2 * inter), (inter, hidden)]
+    assert [(p.k, p.n) for p in products] == layer * config.num_layers + [(hidden, vocab)]
+    assert {p.format for p in products} == {weight_format or "float32"}
+    size = {None: 4, "bfloat16": 2, "int8": 1}[weight_format]
+    for packed in products:
+        assert prefetch_distance.packed_bytes(packed) == size * packed.k * packed.n
+
+
+def test_a_model_off_the_cpu_op_has_no_products():
+    assert LlamaForCausalLM(replace(QWEN_LIKE, dtype="float64")).decode_products() == []
 
 
 @pytest.mark.parametrize("weight_format", cpu_linear.FORMATS)
-def test_choose_keeps_the_fastest_distance_for_each_row_count(small_cache, weight_format):
+def test_choose_keeps_the_shortest_near_fastest_distance_per_row_count(restored, weight_format):
+    rng = np.random.default_rng(3)
+    products = [cpu_linear.pack(rng.standard_normal(shape).astype(np.float32), weight_format)
+                for shape in ((40, 70), (70, 33), (40, 200))]  # fmt: skip
     cpu_linear.set_prefetch_bytes(64, 128)
-    choice = prefetch_distance.choose(40, weight_format)
+    choice = prefetch_distance.choose(products)
     for rows, kept in ((1, choice.one_row), (8, choice.several_rows)):
         timings = choice.timings[rows]
         assert list(timings) == list(prefetch_distance.CANDIDATES)
         assert all(ms > 0 for ms in timings.values())
-        assert timings[kept] == min(timings.values())
+        fastest = min(timings.values())
+        near = [b for b, ms in timings.items() if ms <= fastest * (1 + prefetch_distance.NEAR_BEST)]
+        assert kept == min(near)  # the shortest of the near-fastest
     assert cpu_linear.prefetch_bytes() == (choice.one_row, choice.several_rows)
     # Remembered for the process: set again without timing.
     cpu_linear.set_prefetch_bytes(64, 128)
-    assert prefetch_distance.choose(40, weight_format) is choice
+    assert prefetch_distance.choose(products) is choice
     assert cpu_linear.prefetch_bytes() == (choice.one_row, choice.several_rows)
 
 
-def test_choose_for_model_times_only_weights_past_the_cache(small_cache, monkeypatch):
+def test_the_shortest_distance_near_the_fastest_is_kept():
+    near = prefetch_distance._shortest_near_best
+    assert near({0: 1.2, 2048: 1.04, 8192: 1.0, 16384: 1.01}) == 2048
+    assert near({0: 1.2, 2048: 1.06, 8192: 1.0, 16384: 1.01}) == 8192
+    assert near({0: 1.0, 2048: 1.0}) == 0
+
+
+def test_choose_for_model_times_whole_layers_past_twice_the_cache(restored, monkeypatch):
+    model = LlamaForCausalLM(QWEN_LIKE)
+    products = model.decode_products()
+    layer_bytes = sum(map(prefetch_distance.packed_bytes, products[:4]))
+    timed = []
+    monkeypatch.setattr(prefetch_distance, "choose", lambda p: timed.append(p) or "chosen")
     monkeypatch.setattr(prefetch_distance, "last_level_cache_bytes", lambda: 1 << 30)
-    cpu_linear.set_prefetch_bytes(64, 128)
-    assert prefetch_distance.choose_for_model(QWEN_LIKE) is None
-    assert cpu_linear.prefetch_bytes() == (64, 128)
-    monkeypatch.setattr(prefetch_distance, "last_level_cache_bytes", lambda: 64 << 10)
-    choice = prefetch_distance.choose_for_model(QWEN_LIKE)
-    assert choice is not None and cpu_linear.prefetch_bytes() == (
-        choice.one_row, choice.several_rows,
-    )  # fmt: skip
+    assert prefetch_distance.choose_for_model(model) is None  # fits the cache: not timed
+    monkeypatch.setattr(prefetch_distance, "last_level_cache_bytes", lambda: layer_bytes // 2)
+    assert prefetch_distance.choose_for_model(model) == "chosen"
+    assert timed == [products[:4]]  # one layer is twice the cache
+    monkeypatch.setattr(prefetch_distance, "last_level_cache_bytes", lambda: layer_bytes)
+    prefetch_distance.choose_for_model(model)
+    assert timed[-1] == products[:8]

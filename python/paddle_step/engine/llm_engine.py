@@ -90,8 +90,7 @@ class Engine:
         # Every core by default (paddle's import leaves one), shared among TP ranks.
         self.threads = config.threads or default_threads(paddle.distributed.get_world_size())
         set_compute_threads(self.threads)
-        if model.blocks.use_op:
-            prefetch_distance.choose_for_model(model.config)
+        prefetch_distance.choose_for_model(model)
         self.seed = seed
         self.check_state = check_state
         self.after_step = after_step

@@ -4,10 +4,15 @@ machine at hand (``cpu_linear``'s prefetch distance; it never changes a result).
 A tile of the op computes between its loads, so it keeps fewer reads in flight than memory
 needs when the weights stream from memory rather than from the cache; asking for the line a
 distance ahead makes up for it. The best distance depends on the CPU, its memory, the thread
-count and the rows of the tile: on one AMD EPYC (Zen 5), 8-16 KB made float32 products of 8
-rows 15-20% faster than 2 KB, while one row did best with none. So ``choose`` times a set of
-distances on weights larger than the last-level cache, for one row and for several, and keeps
-the fastest of each.
+count, the rows of the tile and the products' sizes: on one AMD EPYC (Zen 5), 16 KB made a
+decode step's float32 products of 8 rows 20% faster than 2 KB, while products of one row ran
+best at 2 to 8 KB. So ``choose`` times a set of distances on the model's own products, in
+the order a decode step runs them, for one row and for several, and keeps for each the
+shortest distance within ``NEAR_BEST`` of the fastest: a longer one asks for lines past the
+end of each product's weights and holds more of the cache, which the products timed back to
+back do not show but a decode step, with attention and norms between them, does (one row,
+one thread: steps 2.4% slower at 8 KB than at 2 KB and 10% at 16 KB, where the products
+alone were fastest at 8 KB and within 4% of it at 16 KB).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,7 +30,7 @@ import paddle
 from . import cpu_linear
 
 if TYPE_CHECKING:
-    from ..config import ModelConfig
+    from ..models.llama import LlamaForCausalLM
 
 __all__ = [
     "CANDIDATES",
@@ -32,13 +38,14 @@ __all__ = [
     "choose",
     "choose_for_model",
     "last_level_cache_bytes",
-    "streamed_weight_bytes",
+    "packed_bytes",
 ]
 
 CANDIDATES = (0, 1024, 2048, 4096, 8192, 16384, 32768)  # bytes
 # The rows timed for each setting: a single-sequence decode step, and a batch's.
 ONE_ROW, SEVERAL_ROWS = 1, 8
-REPEATS = 5  # timed calls of each distance, interleaved; the median counts
+REPEATS = 5  # timed passes of each distance, interleaved; the median counts
+NEAR_BEST = 0.05  # a distance this much slower than the fastest counts as fast
 # Where the cache size cannot be read: a common server last-level cache.
 FALLBACK_CACHE_BYTES = 32 << 20
 _BYTES_PER_WEIGHT = {"float32": 4, "bfloat16": 2, "int8": 1}
@@ -48,14 +55,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PrefetchChoice:
-    """The distances kept, and the median ms of a timed product at each (by rows)."""
+    """The distances kept, and the median ms of a timed pass at each (by rows)."""
 
     one_row: int
     several_rows: int
     timings: dict[int, dict[int, float]]
 
 
-_chosen: dict[tuple[int, str, int], PrefetchChoice] = {}
+_chosen: dict[tuple, PrefetchChoice] = {}
 
 
 def last_level_cache_bytes() -> int:
@@ -74,62 +81,75 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=FALLBACK_CACHE_BYTES)
 
 
-def streamed_weight_bytes(config: ModelConfig) -> int:
-    """Bytes of the weights a decode step's products read: every layer's, and the LM head."""
-    bytes_per_weight = _BYTES_PER_WEIGHT.get(config.weight_format or config.dtype, 4)
-    hidden, head_dim = config.hidden_size, config.head_dim
-    q_width = config.num_heads * head_dim
-    qkv_width = q_width + 2 * config.num_kv_heads * head_dim
-    layer = hidden * qkv_width + q_width * hidden + 3 * hidden * config.intermediate_size
-    return (config.num_layers * layer + hidden * config.vocab_size) * bytes_per_weight
+def packed_bytes(packed: cpu_linear.PackedWeights) -> int:
+    """Bytes of a product's weights (K x N in its format; scales and padding aside)."""
+    return packed.k * packed.n * _BYTES_PER_WEIGHT[packed.format]
 
 
-def choose(k: int, weight_format: str = "float32") -> PrefetchChoice:
-    """Times products of ``k``-row weights in ``weight_format`` (twice the last-level
-    cache's bytes, so they come from memory) at each of ``CANDIDATES``, for ``ONE_ROW`` and
-    ``SEVERAL_ROWS`` rows of x on the op's threads; sets and returns the fastest of each.
-    Remembered per (k, format, threads) for the process."""
-    key = (k, weight_format, cpu_linear.num_threads())
+def choose(products: Sequence[cpu_linear.PackedWeights]) -> PrefetchChoice:
+    """Times passes over ``products`` (each multiplied by ``ONE_ROW``, then
+    ``SEVERAL_ROWS`` rows of x, in order) at each of ``CANDIDATES``, on the op's threads;
+    sets and returns, for each row count, the shortest distance within ``NEAR_BEST`` of the
+    fastest. Remembered per (products'
+    shapes and formats, threads) for the process."""
+    key = (tuple((p.format, p.k, p.n) for p in products), cpu_linear.num_threads())
     if key in _chosen:
         choice = _chosen[key]
         cpu_linear.set_prefetch_bytes(choice.one_row, choice.several_rows)
         return choice
-    per_column = k * _BYTES_PER_WEIGHT[weight_format]
-    n = -(-2 * last_level_cache_bytes() // per_column)
-    packed = cpu_linear.pack(paddle.full([k, n], 0.5, "float32"), weight_format)
     kept = cpu_linear.prefetch_bytes()
     timings: dict[int, dict[int, float]] = {}
     try:
         for rows in (ONE_ROW, SEVERAL_ROWS):
-            x = paddle.full([rows, k], 0.25, "float32")
-            cpu_linear.linear(x, packed)  # warms the threads and the page tables
+            inputs = {k: paddle.full([rows, k], 0.25, "float32") for k in {p.k for p in products}}
+
+            def run_pass() -> None:
+                for packed in products:
+                    cpu_linear.linear(inputs[packed.k], packed)
+
+            run_pass()  # warms the threads and the page tables
             samples: dict[int, list[float]] = {bytes_: [] for bytes_ in CANDIDATES}
             for _ in range(REPEATS):
                 for bytes_ in CANDIDATES:
                     cpu_linear.set_prefetch_bytes(bytes_, bytes_)
                     started = time.perf_counter()
-                    cpu_linear.linear(x, packed)
+                    run_pass()
                     samples[bytes_].append((time.perf_counter() - started) * 1e3)
             timings[rows] = {b: statistics.median(s) for b, s in samples.items()}
     finally:
         cpu_linear.set_prefetch_bytes(*kept)
-    best = {rows: min(times, key=times.get) for rows, times in timings.items()}
+    best = {rows: _shortest_near_best(times) for rows, times in timings.items()}
     choice = PrefetchChoice(best[ONE_ROW], best[SEVERAL_ROWS], timings)
     cpu_linear.set_prefetch_bytes(choice.one_row, choice.several_rows)
     _chosen[key] = choice
+    megabytes = sum(map(packed_bytes, products)) / 1e6
     for rows, times in timings.items():
         logger.info(
-            "prefetch distance, [%d, %d] x %s [%d, %d] on %d threads: %s -> %d bytes",
-            rows, k, weight_format, k, n, key[2],
+            "prefetch distance, %d row(s) x %d products (%.1f MB) on %d threads: %s -> %d bytes",
+            rows, len(products), megabytes, key[1],
             ", ".join(f"{b} B {ms:.3f} ms" for b, ms in times.items()), best[rows],
         )  # fmt: skip
     return choice
 
 
-def choose_for_model(config: ModelConfig) -> PrefetchChoice | None:
-    """``choose`` for a model whose products run on the CPU op and whose weights do not fit
-    the last-level cache (where they do, they come from the cache and the distance hardly
-    matters); None otherwise."""
-    if streamed_weight_bytes(config) <= last_level_cache_bytes():
+def _shortest_near_best(times: dict[int, float]) -> int:
+    """The shortest distance whose time is within ``NEAR_BEST`` of the fastest."""
+    fastest = min(times.values())
+    return min(b for b, ms in times.items() if ms <= fastest * (1 + NEAR_BEST))
+
+
+def choose_for_model(model: LlamaForCausalLM) -> PrefetchChoice | None:
+    """``choose`` on the leading products of ``model``'s decode step, whole layers until
+    they pass twice the last-level cache (so that they come from memory, as in a step),
+    for a model whose products run on the CPU op and do not fit that cache; None
+    otherwise (from the cache, the distance hardly matters)."""
+    products = model.decode_products()
+    cache = last_level_cache_bytes()
+    if sum(map(packed_bytes, products)) <= cache:
         return None
-    return choose(config.hidden_size, config.weight_format or "float32")
+    timed: list[cpu_linear.PackedWeights] = []
+    for start in range(0, len(products), 4):  # a layer's four products, or the LM head
+        timed += products[start : start + 4]
+        if sum(map(packed_bytes, timed)) >= 2 * cache:
+            break
+    return choose(timed)

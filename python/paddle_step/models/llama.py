@@ -475,13 +475,29 @@ class LlamaForCausalLM(nn.Layer):
         out = self._attention(q, k, v, mask).transpose([0, 3, 1, 2, 4])  # [N, T, KVH, G, D]
         return out.reshape([batches, tokens, cfg.num_heads * cfg.head_dim])
 
-    def _logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
-        """Logits [N, vocab] of hidden states [N, hidden] from ``_run_layers``."""
+    def _lm_head_weight(self) -> DenseWeight:
+        """The LM head as the logits block takes it, made on first use."""
         if self._lm_head is None:
             tied = self.lm_head is None
             head = self.embed if tied else self.lm_head
             self._lm_head = DenseWeight.of(head, self.blocks.use_op, transposed=tied)
-        return self.blocks.logits(hidden, self.final_norm.weight, self._lm_head)
+        return self._lm_head
+
+    def _logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        """Logits [N, vocab] of hidden states [N, hidden] from ``_run_layers``."""
+        return self.blocks.logits(hidden, self.final_norm.weight, self._lm_head_weight())
+
+    def decode_products(self) -> list[cpu_linear.PackedWeights]:
+        """The packed weights a decode step's products read, in the order it reads them:
+        each layer's q/k/v, output, gate/up and down, then the LM head (empty where the
+        CPU op does not run)."""
+        if not self.blocks.use_op:
+            return []
+        products = []
+        for layer in self.layers:
+            w_qkv, _, w_o, w_gate_up, w_down = layer._dense_weights()
+            products += [w_qkv.packed, w_o.packed, w_gate_up.packed, w_down.packed]
+        return products + [self._lm_head_weight().packed]
 
     def _naive_hidden(self, sequence: Sequence[int]) -> paddle.Tensor:
         """Hidden states [len(sequence), hidden] of one whole sequence, no cache (before the
