@@ -281,6 +281,7 @@ def explain_dense() -> None:
         handler.explains_dense = True
         logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    logger.propagate = False  # once, not again through a handler paddle put on the root
 
 
 def build_engine(args: argparse.Namespace, loaded: LoadedModel | None = None):
