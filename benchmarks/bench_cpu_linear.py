@@ -38,7 +38,6 @@ Usage: bench_cpu_linear.py [--quick] [--json] [--threads 1,2] [--repeats N]
 from __future__ import annotations
 
 import argparse
-import math
 import platform
 import statistics
 import sys
@@ -144,7 +143,7 @@ class Product:
         self.packed = [[cpu_linear.pack(w, weight_format) for w in ws] for ws in self.tensors]
         if weight_format != "float32":
             self.tensors = None  # only eager reads them
-        self.weight_bytes = sum(packed_bytes(w) for w in self.packed[0])
+        self.weight_bytes = sum(w.nbytes for w in self.packed[0])
         # What the plain read sums: the packed float32 weights themselves, or for the other
         # formats float32 ones of the same bytes (their bits read as float32 include
         # denormals, which slow the sum down).
@@ -185,15 +184,6 @@ class Product:
         return {"op": op, "eager": eager, "widened": widened, "read": read}[way]
 
 
-def packed_bytes(packed: cpu_linear.PackedWeights) -> int:
-    """The bytes of packed weights and their scales."""
-    size = {"float32": 4, "bfloat16": 2, "int8": 1}[packed.format]
-    total = size * math.prod(packed.weights.shape)
-    if packed.scales is not None:
-        total += 4 * math.prod(packed.scales.shape)
-    return total
-
-
 def baseline_way(weight_format: str) -> str | None:
     """What the op is compared with: eager for float32, the widened path for packed
     formats where the op's default is a dot-product path (None: nothing to compare)."""
@@ -218,7 +208,7 @@ def measure(args) -> dict:
     for seed, (name, shapes) in enumerate(
         (("mlp_up", mlp), ("layer", layer), ("lm_head", [(HIDDEN, vocab)]))
     ):
-        element = {"float32": 4, "bfloat16": 2, "int8": 1}[args.format]
+        element = cpu_linear.BYTES_PER_WEIGHT[args.format]
         bytes_ = element * sum(k * n for k, n in shapes)
         copies = 1 if name == "lm_head" and not args.quick else copies_beyond(llc, bytes_)
         products.append(Product(name, shapes, copies, seed, args.format))

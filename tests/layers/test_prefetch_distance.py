@@ -48,8 +48,10 @@ def test_decode_products_are_each_layers_four_then_the_lm_head(weight_format, ti
     assert [(p.k, p.n) for p in products] == layer * config.num_layers + [(hidden, vocab)]
     assert {p.format for p in products} == {weight_format or "float32"}
     size = {None: 4, "bfloat16": 2, "int8": 1}[weight_format]
-    for packed in products:
-        assert prefetch_distance.packed_bytes(packed) == size * packed.k * packed.n
+    for packed in products:  # the panels, padded to 32 columns, and the int8 scales
+        panels = size * packed.k * -(-packed.n // 32) * 32
+        scales = 0 if packed.scales is None else 4 * packed.scales.size
+        assert packed.nbytes == panels + scales
 
 
 def test_a_model_off_the_cpu_op_has_no_products():
@@ -87,7 +89,7 @@ def test_the_shortest_distance_near_the_fastest_is_kept():
 def test_choose_for_model_times_whole_layers_past_twice_the_cache(restored, monkeypatch):
     model = LlamaForCausalLM(QWEN_LIKE)
     products = model.decode_products()
-    layer_bytes = sum(map(prefetch_distance.packed_bytes, products[:4]))
+    layer_bytes = sum(p.nbytes for p in products[:4])
     timed = []
     monkeypatch.setattr(prefetch_distance, "choose", lambda p: timed.append(p) or "chosen")
     monkeypatch.setattr(prefetch_distance, "last_level_cache_bytes", lambda: 1 << 30)

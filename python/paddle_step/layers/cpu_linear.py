@@ -11,6 +11,7 @@ default the cores the process may run on.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +20,7 @@ import paddle
 import paddle_step_ops as _library
 
 FORMATS = ("float32", "bfloat16", "int8")
+BYTES_PER_WEIGHT = {"float32": 4, "bfloat16": 2, "int8": 1}
 _PANEL_WIDTH = 32  # columns per panel (kPanelWidth)
 
 
@@ -34,6 +36,14 @@ class PackedWeights:
     weights: paddle.Tensor
     scales: paddle.Tensor | None = None
     group_size: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a product reads: the panels (padding included) and the scales."""
+        total = BYTES_PER_WEIGHT[self.format] * math.prod(self.weights.shape)
+        if self.scales is not None:
+            total += 4 * math.prod(self.scales.shape)
+        return total
 
 
 def _tensor(w) -> paddle.Tensor:

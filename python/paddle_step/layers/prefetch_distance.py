@@ -38,7 +38,6 @@ __all__ = [
     "choose",
     "choose_for_model",
     "last_level_cache_bytes",
-    "packed_bytes",
 ]
 
 CANDIDATES = (0, 1024, 2048, 4096, 8192, 16384, 32768)  # bytes
@@ -48,7 +47,6 @@ REPEATS = 5  # timed passes of each distance, interleaved; the median counts
 NEAR_BEST = 0.05  # a distance this much slower than the fastest counts as fast
 # Where the cache size cannot be read: a common server last-level cache.
 FALLBACK_CACHE_BYTES = 32 << 20
-_BYTES_PER_WEIGHT = {"float32": 4, "bfloat16": 2, "int8": 1}
 
 logger = logging.getLogger(__name__)
 
@@ -79,11 +77,6 @@ def last_level_cache_bytes() -> int:
         elif text.isdigit():
             sizes.append(int(text))
     return max(sizes, default=FALLBACK_CACHE_BYTES)
-
-
-def packed_bytes(packed: cpu_linear.PackedWeights) -> int:
-    """Bytes of a product's weights (K x N in its format; scales and padding aside)."""
-    return packed.k * packed.n * _BYTES_PER_WEIGHT[packed.format]
 
 
 def choose(products: Sequence[cpu_linear.PackedWeights]) -> PrefetchChoice:
@@ -122,7 +115,7 @@ def choose(products: Sequence[cpu_linear.PackedWeights]) -> PrefetchChoice:
     choice = PrefetchChoice(best[ONE_ROW], best[SEVERAL_ROWS], timings)
     cpu_linear.set_prefetch_bytes(choice.one_row, choice.several_rows)
     _chosen[key] = choice
-    megabytes = sum(map(packed_bytes, products)) / 1e6
+    megabytes = sum(p.nbytes for p in products) / 1e6
     for rows, times in timings.items():
         logger.info(
             "prefetch distance, %d row(s) x %d products (%.1f MB) on %d threads: %s -> %d bytes",
@@ -145,11 +138,11 @@ def choose_for_model(model: LlamaForCausalLM) -> PrefetchChoice | None:
     otherwise (from the cache, the distance hardly matters)."""
     products = model.decode_products()
     cache = last_level_cache_bytes()
-    if sum(map(packed_bytes, products)) <= cache:
+    if sum(p.nbytes for p in products) <= cache:
         return None
     timed: list[cpu_linear.PackedWeights] = []
     for start in range(0, len(products), 4):  # a layer's four products, or the LM head
         timed += products[start : start + 4]
-        if sum(map(packed_bytes, timed)) >= 2 * cache:
+        if sum(p.nbytes for p in timed) >= 2 * cache:
             break
     return choose(timed)
