@@ -144,6 +144,8 @@ paddle::Tensor CpuDecoderLayer(const paddle::Tensor& x,
                     sin.data<float>() + first * head_dim);
   });
   const auto q = Columns(qkv, 0, heads, head_dim);
+  // A float32 or bfloat16 cache: the float32 k and v are stored rounded in the
+  // second, and attention reads it widened.
   paddle::Tensor key_cache = step.cache.key_cache;  // handles: written in place
   paddle::Tensor value_cache = step.cache.value_cache;
   CpuWriteKv(key_cache, value_cache, step.cache.layer, step.slots,

@@ -1,7 +1,13 @@
 // cpu_paged_attention: validation and threading of the CPU decode attention
 // and KV-cache write. The kernels are ops/include/cpu_paged_attention_kernel.h;
 // Python reaches these through the pybind11 fast path (bindings.cc).
+//
+// A cache is float32 or float64, with k, v and q of its dtype, or bfloat16
+// for float32 k, v and q: stored rounded to nearest even, read widened, the
+// attention computed in float32 (half the bytes a long context's attention
+// reads, and half the memory).
 #include <algorithm>
+#include <cstdint>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -30,7 +36,8 @@ CacheShape CheckCaches(const paddle::Tensor& key_cache,
                        const paddle::Tensor& value_cache, int64_t layer) {
   const TensorView key = ViewOf(key_cache);
   kCheck.Dtype("key_cache", key,
-               {paddle::DataType::FLOAT32, paddle::DataType::FLOAT64});
+               {paddle::DataType::FLOAT32, paddle::DataType::FLOAT64,
+                paddle::DataType::BFLOAT16});
   kCheck.Shape("key_cache", key, {-1, -1, -1, -1});
   kCheck.DenseCpu("key_cache", key_cache);
   const CacheShape shape{key.dims[0], key.dims[1], key.dims[2], key.dims[3]};
@@ -45,6 +52,26 @@ CacheShape CheckCaches(const paddle::Tensor& key_cache,
   return shape;
 }
 
+// The dtype of the k, v and q that go with a cache of `cache_dtype`: its own,
+// float32 for bfloat16 (stored rounded, computed in float32).
+paddle::DataType ComputeDtype(paddle::DataType cache_dtype) {
+  return cache_dtype == paddle::DataType::BFLOAT16 ? paddle::DataType::FLOAT32
+                                                   : cache_dtype;
+}
+
+// A cache's elements as the kernels take them: bfloat16 as uint16_t bits
+// (const where the tensor is).
+template <typename Cache, typename Tensor>
+auto* CacheData(Tensor& cache) {
+  if constexpr (std::is_same_v<Cache, uint16_t>) {
+    using Bits =
+        std::conditional_t<std::is_const_v<Tensor>, const uint16_t, uint16_t>;
+    return reinterpret_cast<Bits*>(cache.template data<phi::dtype::bfloat16>());
+  } else {
+    return cache.template data<Cache>();
+  }
+}
+
 // An int64 vector [count], dense, on the CPU.
 void CheckIndexVector(const char* name, const paddle::Tensor& tensor,
                       int64_t count) {
@@ -53,8 +80,8 @@ void CheckIndexVector(const char* name, const paddle::Tensor& tensor,
   kCheck.DenseCpu(name, tensor);
 }
 
-template <typename T, typename Table>
-paddle::Tensor AttendTyped(cpu::DecodeAttentionProblem<T, Table> problem,
+template <typename T, typename Table, typename Cache>
+paddle::Tensor AttendTyped(cpu::DecodeAttentionProblem<T, Table, Cache> problem,
                            const CacheShape& shape, int64_t layer,
                            int64_t tokens, paddle::DataType dtype) {
   auto out = paddle::empty({tokens, problem.heads * shape.head_dim}, dtype,
@@ -86,8 +113,7 @@ paddle::Tensor AttendTyped(cpu::DecodeAttentionProblem<T, Table> problem,
         cpu::VisibleSlots(problem, t, &scratch.slots);
         last_token = t;
       }
-      cpu::AttendGroup(isa, problem, t, item % runs * span, span,
-                       scratch.slots, &scratch.scores);
+      cpu::AttendGroup(isa, problem, t, item % runs * span, span, &scratch);
     }
   });
   return out;
@@ -125,7 +151,7 @@ void CpuWriteKv(paddle::Tensor& key_cache, paddle::Tensor& value_cache,
   const CacheShape shape = CheckCaches(key_cache, value_cache, layer);
   const int64_t count = ViewOf(k).rank == 3 ? ViewOf(k).dims[0] : -1;
   for (const auto& [name, tensor] : {std::pair{"k", &k}, std::pair{"v", &v}}) {
-    kCheck.Dtype(name, ViewOf(*tensor), {key_cache.dtype()});
+    kCheck.Dtype(name, ViewOf(*tensor), {ComputeDtype(key_cache.dtype())});
     kCheck.Shape(name, ViewOf(*tensor), {count, shape.kv_heads, shape.head_dim});
     kCheck.DenseCpu(name, *tensor);
   }
@@ -144,6 +170,10 @@ void CpuWriteKv(paddle::Tensor& key_cache, paddle::Tensor& value_cache,
     cpu::WriteKv(k.data<float>(), v.data<float>(), slot, count, row,
                  key_cache.data<float>() + offset,
                  value_cache.data<float>() + offset);
+  } else if (key_cache.dtype() == paddle::DataType::BFLOAT16) {
+    cpu::WriteKv(k.data<float>(), v.data<float>(), slot, count, row,
+                 CacheData<uint16_t>(key_cache) + offset,
+                 CacheData<uint16_t>(value_cache) + offset);
   } else {
     cpu::WriteKv(k.data<double>(), v.data<double>(), slot, count, row,
                  key_cache.data<double>() + offset,
@@ -162,7 +192,7 @@ paddle::Tensor CpuDecodeAttention(const paddle::Tensor& q,
   const int64_t block_size = cache.block_size;
   const CacheShape shape = CheckCaches(key_cache, value_cache, layer);
   const TensorView q_view = ViewOf(q);
-  kCheck.Dtype("q", q_view, {key_cache.dtype()});
+  kCheck.Dtype("q", q_view, {ComputeDtype(key_cache.dtype())});
   kCheck.Shape("q", q_view, {-1, -1, shape.head_dim});
   kCheck.DenseCpu("q", q);
   const int64_t tokens = q_view.dims[0];
@@ -197,15 +227,17 @@ paddle::Tensor CpuDecodeAttention(const paddle::Tensor& q,
   const int64_t width = table_view.dims[1];
   const int64_t num_blocks = shape.num_slots / block_size;
 
-  auto run = [&](auto typed_zero, const auto* tables) {
+  // T computes, Cache stores.
+  auto run = [&](auto typed_zero, auto cache_zero, const auto* tables) {
     using T = decltype(typed_zero);
+    using Cache = decltype(cache_zero);
     using Table = std::remove_cv_t<std::remove_pointer_t<decltype(tables)>>;
     CheckTableBlocks(tables, width, rows.data<int64_t>(), tokens, table_rows,
                      num_blocks);
-    cpu::DecodeAttentionProblem<T, Table> problem;
+    cpu::DecodeAttentionProblem<T, Table, Cache> problem;
     problem.q = q.data<T>();
-    problem.key = key_cache.data<T>();
-    problem.value = value_cache.data<T>();
+    problem.key = CacheData<Cache>(key_cache);
+    problem.value = CacheData<Cache>(value_cache);
     problem.tables = tables;
     problem.rows = rows.data<int64_t>();
     problem.positions = position;
@@ -215,15 +247,19 @@ paddle::Tensor CpuDecodeAttention(const paddle::Tensor& q,
     problem.table_width = width;
     problem.block_size = block_size;
     problem.scale = static_cast<T>(scale);
-    return AttendTyped(problem, shape, layer, tokens, key_cache.dtype());
+    return AttendTyped(problem, shape, layer, tokens, q.dtype());
   };
   const bool wide_table = block_tables.dtype() == paddle::DataType::INT64;
   if (key_cache.dtype() == paddle::DataType::FLOAT32) {
-    return wide_table ? run(0.0f, block_tables.data<int64_t>())
-                      : run(0.0f, block_tables.data<int32_t>());
+    return wide_table ? run(0.0f, 0.0f, block_tables.data<int64_t>())
+                      : run(0.0f, 0.0f, block_tables.data<int32_t>());
   }
-  return wide_table ? run(0.0, block_tables.data<int64_t>())
-                    : run(0.0, block_tables.data<int32_t>());
+  if (key_cache.dtype() == paddle::DataType::BFLOAT16) {
+    return wide_table ? run(0.0f, uint16_t{0}, block_tables.data<int64_t>())
+                      : run(0.0f, uint16_t{0}, block_tables.data<int32_t>());
+  }
+  return wide_table ? run(0.0, 0.0, block_tables.data<int64_t>())
+                    : run(0.0, 0.0, block_tables.data<int32_t>());
 }
 
 }  // namespace paddle_step

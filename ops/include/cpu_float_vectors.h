@@ -1,6 +1,9 @@
 // Float32 vectors of each instruction set behind one interface, so that a
 // loop is written once as a template over it (kLanes, Vec, Broadcast, Zero,
 // Load, Store, Add, MulAdd, Sum) and instantiated per instruction set.
+// Load also takes bfloat16 (uint16_t bits) and widens them to float32 exactly
+// (the bits shifted up 16), so a loop over a bfloat16 array computes on the
+// very floats a float32 array of the widened values would give it.
 // Framework-free.
 //
 // Each set's struct is compiled under its own `#pragma GCC target`. A loop
@@ -13,6 +16,7 @@
 
 #include <cstdint>
 
+#include "cpu_bfloat16.h"
 #include "cpu_isa.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -28,6 +32,7 @@ struct ScalarFloats {
   static Vec Broadcast(float value) { return value; }
   static Vec Zero() { return 0.0f; }
   static Vec Load(const float* data) { return *data; }
+  static Vec Load(const uint16_t* data) { return FloatFromBFloat16(*data); }
   static void Store(float* data, Vec value) { *data = value; }
   static Vec Add(Vec a, Vec b) { return a + b; }
   static Vec MulAdd(Vec a, Vec b, Vec c) { return a * b + c; }
@@ -43,6 +48,12 @@ struct Avx2Floats {
   static Vec Broadcast(float value) { return _mm256_set1_ps(value); }
   static Vec Zero() { return _mm256_setzero_ps(); }
   static Vec Load(const float* data) { return _mm256_loadu_ps(data); }
+  static Vec Load(const uint16_t* data) {
+    const __m128i bits =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(data));
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  }
   static void Store(float* data, Vec value) { _mm256_storeu_ps(data, value); }
   static Vec Add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
   static Vec MulAdd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
@@ -65,6 +76,12 @@ struct Avx512Floats {
   static Vec Broadcast(float value) { return _mm512_set1_ps(value); }
   static Vec Zero() { return _mm512_setzero_ps(); }
   static Vec Load(const float* data) { return _mm512_loadu_ps(data); }
+  static Vec Load(const uint16_t* data) {
+    const __m256i bits =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data));
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
   static void Store(float* data, Vec value) { _mm512_storeu_ps(data, value); }
   static Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
   static Vec MulAdd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }

@@ -31,6 +31,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "cpu_bfloat16.h"
 #include "cpu_isa.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -77,22 +78,6 @@ inline int64_t GroupCount(int64_t k, int64_t group_size) {
 }
 
 // ---------------------------------------------------------------- packing
-
-// Round to nearest even, as torch and numpy-based converters do; NaN stays NaN.
-inline uint16_t BFloat16FromFloat(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  if (std::isnan(value)) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-inline float FloatFromBFloat16(uint16_t value) {
-  const uint32_t bits = static_cast<uint32_t>(value) << 16;
-  float result;
-  std::memcpy(&result, &bits, sizeof(result));
-  return result;
-}
 
 // w: float32 [k, n] row-major. packed: PanelCount(n) * PanelElements(kFloat32, k).
 inline void PackFloat32(const float* w, int64_t k, int64_t n, float* packed) {

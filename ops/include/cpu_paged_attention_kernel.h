@@ -13,9 +13,16 @@
 // The keys a token sees are found once per token and read straight from the
 // cache: nothing is gathered into a copy, and each key and value vector is
 // loaded once for all the query heads that share it. Scores, the softmax and
-// the weighted sum run in the cache's type (float32 or float64). float32 runs
-// one source compiled per instruction set (its dot products in 16 lanes, e^x
-// by cpu_float_math.h's polynomial); float64 runs plain loops and std::exp.
+// the weighted sum run in the compute type T (float32 or float64). float32
+// runs one source compiled per instruction set (its dot products in 16 lanes,
+// e^x by cpu_float_math.h's polynomial); float64 runs plain loops and std::exp.
+//
+// The cache's storage type `Cache` is T, or bfloat16 (uint16_t bits) for a
+// float32 T: its keys and values are stored rounded to nearest even and read
+// widened (exactly) as they are loaded, which halves the bytes a long
+// context's attention reads, its cost. Everything after the load is the
+// float32 kernel's chain of operations: over a bfloat16 cache a result is bit
+// for bit the float32 kernel's over a float32 cache of the widened values.
 #pragma once
 
 #include <algorithm>
@@ -26,6 +33,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_bfloat16.h"
 #include "cpu_float_math.h"
 #include "cpu_float_vectors.h"
 #include "cpu_isa.h"
@@ -35,22 +43,35 @@ namespace paddle_step::cpu {
 
 // Writes k[i], v[i] ([count, row] each, row = kv_heads * head_dim) at
 // slots[i] of one layer's caches ([num_slots, row]); slot -1 writes nothing.
-// The caller checks every slot is < num_slots.
-template <typename T>
+// The caller checks every slot is < num_slots. A Cache of T is copied as is,
+// a bfloat16 one (uint16_t, from float32) gets each value rounded to nearest
+// even.
+template <typename T, typename Cache>
 void WriteKv(const T* k, const T* v, const int64_t* slots, int64_t count,
-             int64_t row, T* key_cache, T* value_cache) {
+             int64_t row, Cache* key_cache, Cache* value_cache) {
   for (int64_t i = 0; i < count; ++i) {
     if (slots[i] < 0) continue;
-    std::memcpy(key_cache + slots[i] * row, k + i * row, row * sizeof(T));
-    std::memcpy(value_cache + slots[i] * row, v + i * row, row * sizeof(T));
+    if constexpr (std::is_same_v<T, Cache>) {
+      std::memcpy(key_cache + slots[i] * row, k + i * row, row * sizeof(T));
+      std::memcpy(value_cache + slots[i] * row, v + i * row, row * sizeof(T));
+    } else {
+      static_assert(std::is_same_v<T, float> &&
+                    std::is_same_v<Cache, uint16_t>);
+      for (int64_t e = 0; e < row; ++e) {
+        key_cache[slots[i] * row + e] = BFloat16FromFloat(k[i * row + e]);
+        value_cache[slots[i] * row + e] = BFloat16FromFloat(v[i * row + e]);
+      }
+    }
   }
 }
 
-template <typename T, typename Table>
+// Cache: how the cache stores its values (T, or uint16_t bfloat16 bits for a
+// float32 T).
+template <typename T, typename Table, typename Cache = T>
 struct DecodeAttentionProblem {
   const T* q;            // [tokens, heads, head_dim]
-  const T* key;          // one layer: [num_slots, kv_heads, head_dim]
-  const T* value;        // likewise
+  const Cache* key;      // one layer: [num_slots, kv_heads, head_dim]
+  const Cache* value;    // likewise
   const Table* tables;   // [rows, table_width] block ids, -1 unused
   const int64_t* rows;   // [tokens] block-table row of each token
   const int64_t* positions;  // [tokens] position of each token
@@ -64,8 +85,8 @@ struct DecodeAttentionProblem {
 };
 
 // The slots of the keys token `t` sees, in order of position.
-template <typename T, typename Table>
-void VisibleSlots(const DecodeAttentionProblem<T, Table>& p, int64_t t,
+template <typename T, typename Table, typename Cache>
+void VisibleSlots(const DecodeAttentionProblem<T, Table, Cache>& p, int64_t t,
                   std::vector<int64_t>* slots) {
   slots->clear();
   const Table* table = p.tables + p.rows[t] * p.table_width;
@@ -92,12 +113,33 @@ PADDLE_STEP_LOOP_INLINE void PrefetchRow(const void* row, int64_t bytes) {
 #endif
 }
 
+// The keys of a bfloat16 cache that plain C++ loops read (Dot, the last dims
+// of 16 keys) are widened into float32 scratch first, and those loops run on
+// it as on a float32 cache: the compiler compiles such a loop by its form
+// (vectorized with each product rounded, or one fused multiply-add at a time),
+// so only the same loop over float32 arrays surely gets the float32 kernel's
+// bits. The vector code (intrinsics) widens in registers as it loads. The
+// values' last dims, gathered one key at a time, widen in place: GCC keeps
+// that loop scalar for float32 too (the bfloat16 tests check the bits).
+
+// out[0 .. count) = in[0 .. count) widened, on Floats' vectors.
+template <typename Floats>
+PADDLE_STEP_LOOP_INLINE void WidenRow(const uint16_t* in, int64_t count,
+                                      float* out) {
+  int64_t e = 0;
+  for (; e + Floats::kLanes <= count; e += Floats::kLanes) {
+    Floats::Store(out + e, Floats::Load(in + e));
+  }
+  for (; e < count; ++e) out[e] = Widened(in[e]);
+}
+
 // o[0 .. kVectors * Floats::kLanes) = sum over j of weights[j] * v_j (from
-// `first` of each value row), in order of j, the sums kept in registers;
-// prefetching the rows of `ahead_bytes` kRowsAhead slots ahead (0: none).
-template <typename Floats, int kVectors>
+// `first` of each value row, float32 or widened bfloat16), in order of j, the
+// sums kept in registers; prefetching the rows of `ahead_bytes` kRowsAhead
+// slots ahead (0: none).
+template <typename Floats, int kVectors, typename Cache>
 PADDLE_STEP_LOOP_INLINE void WeightedVectors(const float* weights,
-                                             const float* value,
+                                             const Cache* value,
                                              const int64_t* slots,
                                              int64_t count, int64_t stride,
                                              int64_t first, float* o,
@@ -109,7 +151,7 @@ PADDLE_STEP_LOOP_INLINE void WeightedVectors(const float* weights,
       PrefetchRow(value + slots[j + kRowsAhead] * stride, ahead_bytes);
     }
     const typename Floats::Vec w = Floats::Broadcast(weights[j]);
-    const float* v = value + slots[j] * stride + first;
+    const Cache* v = value + slots[j] * stride + first;
     for (int i = 0; i < kVectors; ++i) {
       sum[i] = Floats::MulAdd(w, Floats::Load(v + i * Floats::kLanes), sum[i]);
     }
@@ -155,17 +197,35 @@ PADDLE_STEP_LOOP_INLINE void Transpose16(__m512 rows[16]) {
   }
 }
 
+// firsts[k] = the sum of q[e] * key[slots[k] * stride + e] over the last
+// dims e in [d, head_dim), one by one, for 16 keys.
+PADDLE_STEP_LOOP_INLINE void SumsOfLastDims(const float* q, const float* key,
+                                            const int64_t* slots,
+                                            int64_t stride, int64_t d,
+                                            int64_t head_dim, float* firsts) {
+  for (int k = 0; k < 16; ++k) {
+    float total = 0.0f;
+    for (int64_t e = d; e < head_dim; ++e) {
+      total += q[e] * key[slots[k] * stride + e];
+    }
+    firsts[k] = total;
+  }
+}
+
 // out[k] = Dot(q, key row of slots[k], head_dim) * scale for 16 keys, with
 // Dot's own sums (16 lanes of multiply-adds in order of the dims, the last
 // dims one by one, then the lanes in order) computed for the 16 keys side by
 // side: the lanes are transposed so that key k's lane e is lane k of one
 // vector, and the vectors are added in order of e. Bit for bit Dot's result,
-// at a fraction of its horizontal adds. Not always_inline: the generic
-// AttendRows template calls it, and it inlines once that is compiled for
-// AVX-512 (RunOn).
-inline void ScoresOf16Keys(const float* q, const float* key,
+// at a fraction of its horizontal adds. Keys of float32 or bfloat16 (widened
+// as loaded; their last dims staged in `staged`, [16, head_dim] floats). Not
+// always_inline: the generic AttendRows template calls it, and it inlines
+// once that is compiled for AVX-512 (RunOn).
+template <typename Cache>
+inline void ScoresOf16Keys(const float* q, const Cache* key,
                            const int64_t* slots, int64_t stride,
-                           int64_t head_dim, float scale, float* out) {
+                           int64_t head_dim, float scale, float* out,
+                           float* staged) {
   __m512 lanes[16];
   for (int k = 0; k < 16; ++k) lanes[k] = _mm512_setzero_ps();
   int64_t d = 0;
@@ -173,16 +233,22 @@ inline void ScoresOf16Keys(const float* q, const float* key,
     const __m512 qv = _mm512_loadu_ps(q + d);
     for (int k = 0; k < 16; ++k) {
       lanes[k] = _mm512_fmadd_ps(
-          qv, _mm512_loadu_ps(key + slots[k] * stride + d), lanes[k]);
+          qv, Avx512Floats::Load(key + slots[k] * stride + d), lanes[k]);
     }
   }
   alignas(64) float firsts[16];  // each key's last dims, summed first
-  for (int k = 0; k < 16; ++k) {
-    float total = 0.0f;
-    for (int64_t e = d; e < head_dim; ++e) {
-      total += q[e] * key[slots[k] * stride + e];
+  if constexpr (std::is_same_v<Cache, float>) {
+    (void)staged;
+    SumsOfLastDims(q, key, slots, stride, d, head_dim, firsts);
+  } else {  // key k's last dims at row k of `staged`
+    static constexpr int64_t kRows[16] = {0, 1, 2,  3,  4,  5,  6,  7,
+                                          8, 9, 10, 11, 12, 13, 14, 15};
+    for (int k = 0; k < 16; ++k) {
+      for (int64_t e = d; e < head_dim; ++e) {
+        staged[k * head_dim + e] = Widened(key[slots[k] * stride + e]);
+      }
     }
-    firsts[k] = total;
+    SumsOfLastDims(q, staged, kRows, head_dim, d, head_dim, firsts);
   }
   Transpose16(lanes);
   __m512 total = _mm512_load_ps(firsts);
@@ -201,16 +267,17 @@ inline void ScoresOf16Keys(const float* q, const float* key,
 // each slot's row of them at once, as one stretch of memory.
 // float32 runs on `Floats` (RunOn: one instantiation per instruction set);
 // each output is the same chain of multiply-adds in order of j on every
-// instruction set's vectors, so the vector width changes no bit of it.
-template <typename T, typename Floats = ScalarFloats>
-PADDLE_STEP_LOOP_INLINE void AttendRows(const T* q, int64_t group,
-                                        int64_t heads, const T* key,
-                                        const T* value, const int64_t* slots,
-                                        int64_t count, int64_t stride,
-                                        int64_t head_dim, T scale, T* scores,
-                                        T* out) {
+// instruction set's vectors, so the vector width changes no bit of it. A
+// bfloat16 Cache is widened as the vectors load it, and staged (WidenRow) for
+// the plain loops in `staged` (StagedFloats floats; unused otherwise): nothing
+// else differs from a float32 one.
+template <typename T, typename Floats = ScalarFloats, typename Cache = T>
+PADDLE_STEP_LOOP_INLINE void AttendRows(
+    const T* q, int64_t group, int64_t heads, const Cache* key,
+    const Cache* value, const int64_t* slots, int64_t count, int64_t stride,
+    int64_t head_dim, T scale, T* scores, T* out, float* staged) {
   const int64_t row_bytes =
-      heads / group * head_dim * static_cast<int64_t>(sizeof(T));
+      heads / group * head_dim * static_cast<int64_t>(sizeof(Cache));
   int64_t j = 0;
 #ifdef PADDLE_STEP_ATTENTION_AVX512
   if constexpr (std::is_same_v<Floats, Avx512Floats>) {
@@ -224,7 +291,7 @@ PADDLE_STEP_LOOP_INLINE void AttendRows(const T* q, int64_t group,
           PrefetchRow(key + slots[next] * stride, row_bytes);
         }
         ScoresOf16Keys(q + h * head_dim, key + h / group * head_dim, slots + j,
-                       stride, head_dim, scale, scores + h * count + j);
+                       stride, head_dim, scale, scores + h * count + j, staged);
       }
     }
   }
@@ -233,12 +300,19 @@ PADDLE_STEP_LOOP_INLINE void AttendRows(const T* q, int64_t group,
     if (j + kRowsAhead < count) {
       PrefetchRow(key + slots[j + kRowsAhead] * stride, row_bytes);
     }
+    if constexpr (std::is_same_v<Cache, uint16_t>) {
+      WidenRow<Floats>(key + slots[j] * stride, heads / group * head_dim,
+                       staged);
+    }
     for (int64_t h = 0; h < heads; ++h) {
-      const T* k = key + slots[j] * stride + h / group * head_dim;
       T dot;
-      if constexpr (std::is_same_v<T, float>) {
+      if constexpr (std::is_same_v<Cache, uint16_t>) {
+        dot = Dot(q + h * head_dim, staged + h / group * head_dim, head_dim);
+      } else if constexpr (std::is_same_v<T, float>) {
+        const T* k = key + slots[j] * stride + h / group * head_dim;
         dot = Dot(q + h * head_dim, k, head_dim);
       } else {
+        const T* k = key + slots[j] * stride + h / group * head_dim;
         dot = 0;
         for (int64_t d = 0; d < head_dim; ++d) {
           dot += q[h * head_dim + d] * k[d];
@@ -269,7 +343,7 @@ PADDLE_STEP_LOOP_INLINE void AttendRows(const T* q, int64_t group,
   }
   for (int64_t h = 0; h < heads; ++h) {
     const T* weights = scores + h * count;
-    const T* v = value + h / group * head_dim;
+    const Cache* v = value + h / group * head_dim;
     T* o = out + h * head_dim;
     int64_t d = 0;
     if constexpr (std::is_same_v<T, float>) {
@@ -289,61 +363,79 @@ PADDLE_STEP_LOOP_INLINE void AttendRows(const T* q, int64_t group,
     for (; d < head_dim; ++d) {  // float64, and a float32 head's last dims
       T sum = 0;
       for (int64_t j = 0; j < count; ++j) {
-        sum += weights[j] * v[slots[j] * stride + d];
+        sum += weights[j] * Widened(v[slots[j] * stride + d]);
       }
       o[d] = sum;
     }
   }
 }
 
-// AttendRows<float> compiled once per instruction set (RunOn).
+// AttendRows<float> over a float32 or bfloat16 Cache, compiled once per
+// instruction set (RunOn).
+template <typename Cache>
 struct AttendRowsLoop {
   template <typename Floats>
   PADDLE_STEP_LOOP_INLINE static int Run(
-      const float* q, int64_t group, int64_t heads, const float* key,
-      const float* value, const int64_t* slots, int64_t count, int64_t stride,
-      int64_t head_dim, float scale, float* scores, float* out) {
-    AttendRows<float, Floats>(q, group, heads, key, value, slots, count, stride,
-                              head_dim, scale, scores, out);
+      const float* q, int64_t group, int64_t heads, const Cache* key,
+      const Cache* value, const int64_t* slots, int64_t count, int64_t stride,
+      int64_t head_dim, float scale, float* scores, float* out, float* staged) {
+    AttendRows<float, Floats, Cache>(q, group, heads, key, value, slots, count,
+                                     stride, head_dim, scale, scores, out,
+                                     staged);
     return 0;
   }
 };
 
-// Working memory of one thread: the visible slots and the scores.
+// The floats AttendRows stages a bfloat16 cache's values in: a row of the
+// run's KV heads (Dot's keys), or the last dims of 16 keys.
+inline int64_t StagedFloats(int64_t kv_heads, int64_t head_dim) {
+  return std::max(kv_heads, int64_t{16}) * head_dim;
+}
+
+// Working memory of one thread: the visible slots, the scores and (bfloat16
+// cache) AttendRows' staged values.
 template <typename T>
 struct AttentionScratch {
   std::vector<int64_t> slots;
   std::vector<T> scores;
+  std::vector<float> staged;
 };
 
 // Token t, KV heads [g, g + span): out[t, g * group .. (g + span) * group).
 // A token that sees no key gets zeros.
-template <typename T, typename Table>
-void AttendGroup(Isa isa, const DecodeAttentionProblem<T, Table>& p, int64_t t,
-                 int64_t g, int64_t span, const std::vector<int64_t>& slots,
-                 std::vector<T>* scores) {
+template <typename T, typename Table, typename Cache>
+void AttendGroup(Isa isa, const DecodeAttentionProblem<T, Table, Cache>& p,
+                 int64_t t, int64_t g, int64_t span,
+                 AttentionScratch<T>* scratch) {
+  const std::vector<int64_t>& slots = scratch->slots;
+  std::vector<T>* scores = &scratch->scores;
   const int64_t group = p.heads / p.kv_heads;
   const int64_t heads = span * group;
   const int64_t count = static_cast<int64_t>(slots.size());
   const int64_t stride = p.kv_heads * p.head_dim;
   const T* q = p.q + (t * p.heads + g * group) * p.head_dim;
-  const T* key = p.key + g * p.head_dim;
-  const T* value = p.value + g * p.head_dim;
+  const Cache* key = p.key + g * p.head_dim;
+  const Cache* value = p.value + g * p.head_dim;
   T* out = p.out + (t * p.heads + g * group) * p.head_dim;
   if (count == 0) {
     std::fill(out, out + heads * p.head_dim, T(0));
     return;
   }
   scores->resize(heads * count);
+  float* staged = nullptr;
+  if constexpr (std::is_same_v<Cache, uint16_t>) {
+    scratch->staged.resize(StagedFloats(span, p.head_dim));
+    staged = scratch->staged.data();
+  }
   if constexpr (std::is_same_v<T, float>) {
     int lanes = 1;
-    RunOn<AttendRowsLoop>(isa, &lanes, q, group, heads, key, value,
-                          slots.data(), count, stride, p.head_dim, p.scale,
-                          scores->data(), out);
+    RunOn<AttendRowsLoop<Cache>>(isa, &lanes, q, group, heads, key, value,
+                                 slots.data(), count, stride, p.head_dim,
+                                 p.scale, scores->data(), out, staged);
   } else {
     (void)isa;  // float64 runs the plain loops as built
     AttendRows(q, group, heads, key, value, slots.data(), count, stride,
-               p.head_dim, p.scale, scores->data(), out);
+               p.head_dim, p.scale, scores->data(), out, staged);
   }
 }
 

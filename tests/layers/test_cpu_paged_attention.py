@@ -1,5 +1,6 @@
 """The CPU decode attention and KV-cache write (ops/cpu_paged_attention.cc) against a plain
-float64 NumPy reference that walks each token's block-table row."""
+float64 NumPy reference that walks each token's block-table row. A bfloat16 cache against the
+float32 op over the widened values: the same bits."""
 
 import math
 
@@ -8,12 +9,15 @@ import paddle
 import pytest
 
 import paddle_step_ops
+from paddle_step.config import ModelConfig
 from paddle_step.layers import cpu_linear
 from paddle_step.layers.paged_attention import PagedKVCache
+from paddle_step.models.llama import FusedStep, LlamaForCausalLM
 from paddle_step.testing.cpu_paths import ISA_PATHS, on_isa, runs_here
 
 # (heads, kv_heads, head_dim, block_size): MHA and GQA groups, head dims off the vector
-# widths (8, 16) and on them, blocks of one slot and of several.
+# widths (8, 16) and on them, blocks of one slot and of several. (4, 2, 27, 8): 11 last dims
+# after the 16-lane part, for keys taken 16 at a time.
 SHAPES = (
     (1, 1, 1, 1),
     (4, 2, 7, 3),
@@ -21,6 +25,7 @@ SHAPES = (
     (14, 2, 64, 16),
     (8, 8, 16, 2),
     (3, 1, 80, 5),
+    (4, 2, 27, 8),
 )
 
 
@@ -96,6 +101,124 @@ def test_float64_matches_reference(shape):
     expected = reference_attention(q, key[1], value[1], tables, rows, positions, block_size,
                                    scale)  # fmt: skip
     np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-13)
+
+
+def bfloat16_bits(values):
+    """float32 ``values`` rounded to bfloat16 (to nearest, ties to even), as uint16 bits:
+    for finite values."""
+    bits = values.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bits_of(cache):
+    """A bfloat16 tensor's values as uint16 bits (widening to float32 is exact)."""
+    return (cache.astype("float32").numpy().view(np.uint32) >> 16).astype(np.uint16)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("table_dtype", [np.int32, np.int64])
+def test_bfloat16_cache_is_the_float32_op_over_the_widened_values(isa_path, shape, table_dtype):
+    """Keys and values widened as they are loaded, then the float32 kernel's operations:
+    bit for bit its output over a float32 cache holding the widened values. (1 thread reads
+    each token's KV heads as one row, 3 threads one head at a time.)"""
+    rng = np.random.default_rng(sum(shape))
+    q, key, value, tables, rows, positions = random_case(rng, shape, np.float32, table_dtype)
+    block_size, scale = shape[3], 1 / math.sqrt(shape[2])
+    caches = [paddle.to_tensor(a).astype("bfloat16") for a in (key, value)]
+    widened = [c.astype("float32") for c in caches]
+    index = [paddle.to_tensor(a) for a in (tables, rows, positions)]
+    threads = cpu_linear.num_threads()
+    for layer, count in ((0, 1), (1, 3)):
+        cpu_linear.set_num_threads(count)
+        try:
+            out, expected = (
+                paddle_step_ops.cpu_decode_attention(
+                    paddle.to_tensor(q), (*pair, layer, *index, block_size), scale
+                ).numpy()
+                for pair in (caches, widened)
+            )
+        finally:
+            cpu_linear.set_num_threads(threads)
+        assert out.dtype == np.float32 and out.shape == expected.shape
+        np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))
+        reference = reference_attention(q, *(w.numpy()[layer] for w in widened), tables, rows,
+                                        positions, block_size, scale)  # fmt: skip
+        np.testing.assert_allclose(out, reference, rtol=1e-4, atol=1e-5)
+    assert not np.any(out[rows == 4]), "a token that sees no key gets zeros"
+
+
+def test_write_kv_rounds_into_a_bfloat16_cache():
+    """float32 k and v stored rounded to nearest even (ties to even, overflow to inf, NaN
+    kept), at the kept slots of one layer: slot -1 and the other layer keep their values."""
+    rng = np.random.default_rng(1)
+    shape = (2, 12, 2, 5)
+    before = [paddle.to_tensor(rng.standard_normal(shape).astype(np.float32)).astype("bfloat16")
+              for _ in range(2)]  # fmt: skip
+    key_cache, value_cache = (b.clone() for b in before)
+    k, v = rng.standard_normal((2, 4, 2, 5)).astype(np.float32)
+    # Exact ties (down to even, up to even), the largest float (rounds to inf), infinities,
+    # -0, a denormal, below a tie, and ties of other signs and exponents.
+    special = [1 + 2**-8, 1 + 3 * 2**-8, 3.4028235e38, np.inf, -np.inf,
+               -0.0, 1e-40, 1 + 2**-9, -1 - 2**-8, 2**-8 + 2**-16]  # fmt: skip
+    k[0] = np.array(special, np.float32).reshape(2, 5)
+    v[3, 1, 2] = np.nan
+    slots = np.array([11, -1, 0, 6], np.int64)
+    paddle_step_ops.cpu_write_kv(key_cache, value_cache, 1, paddle.to_tensor(slots),
+                                 paddle.to_tensor(k), paddle.to_tensor(v))  # fmt: skip
+    for cache, old, new in ((key_cache, before[0], k), (value_cache, before[1], v)):
+        expected = bits_of(old)
+        for i, slot in enumerate(slots):
+            if slot >= 0:
+                expected[1, slot] = bfloat16_bits(new[i])
+        got = bits_of(cache)
+        finite = ~np.isnan(cache.astype("float32").numpy())
+        np.testing.assert_array_equal(got[finite], expected[finite])
+    rounded = [0x3F80, 0x3F82, 0x7F80, 0x7F80, 0xFF80, 0x8000, 0x0001, 0x3F80, 0xBF80, 0x3B80]
+    assert bits_of(key_cache)[1, 11].ravel().tolist() == rounded
+    nan = value_cache.astype("float32").numpy()[1, 6, 1, 2]
+    assert np.isnan(nan) and np.isnan(value_cache.astype("float32").numpy()).sum() == 1
+
+
+def test_decoder_layer_on_a_bfloat16_cache():
+    """The whole layer op (its step's K/V written, then attention) on a bfloat16 cache: the
+    cache gets the float32 run's K/V rounded, and the output is bit for bit the float32
+    op's over the widened cache (a run that writes nothing: slots -1), and close to the
+    float32 cache's own run, whose fresh K/V are not rounded."""
+    config = ModelConfig(seed=3)
+    model = LlamaForCausalLM(config)
+    layer, block_size = model.layers[0], 4
+    tables = paddle.to_tensor(np.array([[5, 2, 0], [1, 4, -1], [3, -1, -1]], np.int32))
+    rows = paddle.to_tensor(np.array([0, 1, 2], np.int64))
+    positions = np.array([9, 5, 2], np.int64)
+    table_of = tables.numpy()
+    slots = np.array([table_of[r, p // block_size] * block_size + p % block_size
+                      for r, p in enumerate(positions)], np.int64)  # fmt: skip
+    rope = tuple(t.reshape([-1, config.head_dim]) for t in model._rope(paddle.to_tensor(positions)))
+    rng = np.random.default_rng(2)
+    x = paddle.to_tensor(rng.standard_normal((3, config.hidden_size)).astype(np.float32))
+    cache_shape = (1, 6 * block_size, config.num_kv_heads, config.head_dim)
+    old = [paddle.to_tensor(rng.standard_normal(cache_shape).astype(np.float32)).astype("bfloat16")
+           for _ in range(2)]  # fmt: skip
+
+    def run(key, value, step_slots):
+        cache = PagedKVCache(6, block_size, 1, config.num_kv_heads, config.head_dim)
+        cache.key, cache.value = key, value
+        step = FusedStep(cache, paddle.to_tensor(step_slots), tables, rows,
+                         paddle.to_tensor(positions), "")  # fmt: skip
+        return layer.forward_fused(x, rope, 0, step).numpy()
+
+    rounded = [c.clone() for c in old]
+    out = run(*rounded, slots)
+    written = [c.astype("float32") for c in old]
+    out_float32 = run(*written, slots)
+    for cache, float32_cache in zip(rounded, written):
+        assert cache.dtype == paddle.bfloat16
+        np.testing.assert_array_equal(bits_of(cache), bfloat16_bits(float32_cache.numpy()))
+    widened = [c.astype("float32") for c in rounded]
+    expected = run(*widened, np.full(3, -1, np.int64))
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))
+    np.testing.assert_allclose(out, out_float32, rtol=1e-2, atol=1e-3)
 
 
 def test_paths_and_thread_counts_agree_closely():
@@ -193,6 +316,16 @@ def _args(**changes):
          "argument 'rows': expected dtype int64"),
         ({"key_cache": paddle.zeros([2, 12, 2, 8]).transpose([0, 2, 1, 3])},
          "argument 'key_cache'"),
+        ({"key_cache": paddle.zeros([2, 12, 2, 8], "bfloat16")},
+         "argument 'value_cache': expected dtype bfloat16, got dtype float32"),
+        ({"key_cache": paddle.zeros([2, 12, 2, 8], "bfloat16"),
+          "value_cache": paddle.zeros([2, 12, 2, 8], "bfloat16"),
+          "q": paddle.zeros([2, 4, 8], "float64")},
+         "argument 'q': expected dtype float32, got dtype float64"),
+        ({"key_cache": paddle.zeros([2, 12, 2, 8], "float16"),
+          "value_cache": paddle.zeros([2, 12, 2, 8], "float16")},
+         "argument 'key_cache': expected dtype float32 or float64 or bfloat16, got dtype "
+         "float16"),
     ],
 )  # fmt: skip
 def test_decode_attention_names_a_bad_argument(changes, message):
@@ -222,3 +355,26 @@ def test_write_kv_names_a_bad_slot():
                                      paddle.to_tensor([4]), paddle.zeros([1, 1, 2]),
                                      paddle.zeros([1, 1, 2]))  # fmt: skip
     assert not cache.numpy().any()
+
+
+@pytest.mark.parametrize(
+    "cache_dtypes, kv_dtype, message",
+    [
+        (("bfloat16", "bfloat16"), "float64",
+         "argument 'k': expected dtype float32, got dtype float64"),
+        (("bfloat16", "bfloat16"), "bfloat16",
+         "argument 'k': expected dtype float32, got dtype bfloat16"),
+        (("bfloat16", "float32"), "float32",
+         "argument 'value_cache': expected dtype bfloat16, got dtype float32"),
+        (("float32", "float32"), "float64",
+         "argument 'k': expected dtype float32, got dtype float64"),
+    ],
+)  # fmt: skip
+def test_write_kv_names_a_dtype_that_does_not_go_with_the_cache(cache_dtypes, kv_dtype, message):
+    key_cache, value_cache = (paddle.zeros([1, 4, 1, 2], dtype) for dtype in cache_dtypes)
+    with pytest.raises(ValueError) as error:
+        paddle_step_ops.cpu_write_kv(key_cache, value_cache, 0, paddle.to_tensor([1]),
+                                     paddle.ones([1, 1, 2], kv_dtype),
+                                     paddle.ones([1, 1, 2], kv_dtype))  # fmt: skip
+    assert message in str(error.value)
+    assert not key_cache.astype("float32").numpy().any()
