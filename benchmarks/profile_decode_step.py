@@ -2,9 +2,10 @@
 """Where each millisecond of a decode step goes, on a Hugging Face checkpoint (for example
 the Qwen2.5-0.5B shape that ``make_random_llama.py`` writes).
 
-B requests with 64-token prompts (token ids drawn from a seeded generator) run greedy in
-B slots; after the prefill and a few decode steps, ``--steps`` decode steps are timed, each
-split by timers wrapped, in this process only, around the engine's parts:
+B requests with 64-token prompts (``--prompt-len``; token ids drawn from a seeded
+generator) run greedy in B slots; after the prefill and a few decode steps, ``--steps``
+decode steps are timed, each split by timers wrapped, in this process only, around the
+engine's parts:
 
 - in the forward: ``attention_inputs`` (RMSNorm, fused q/k/v, rotary), ``kv_write`` (the
   KV cache writes), ``kv_gather`` (reading the keys and values through the block tables),
@@ -20,8 +21,14 @@ Each part: the median over the timed steps, in ms. ``--dense eager`` runs every 
 block with ``paddle.matmul`` (as before the CPU op), ``--dense auto`` as shipped (each block
 runs the fastest way measured: our op, eager or compiled).
 
+``--dtype`` and ``--quantization`` load the weights as ``load_checkpoint`` does (float32,
+bfloat16, int8); ``--kv-cache-dtype`` stores the KV cache as ``EngineConfig.kv_cache_dtype``
+does (auto, bfloat16).
+
 Usage: profile_decode_step.py CHECKPOINT [--batches 1,8] [--steps N] [--threads N]
-                              [--dense auto|eager|op|op_widened|compiled] [--json]
+                              [--dense auto|eager|op|op_widened|compiled]
+                              [--dtype auto|float32|bfloat16] [--quantization int8]
+                              [--kv-cache-dtype auto|bfloat16] [--prompt-len N] [--json]
 """
 
 from __future__ import annotations
@@ -85,7 +92,14 @@ def instrument(engine, timer: PartTimer) -> None:
     timer.wrap(engine.scheduler, "record", "host_record")
 
 
-def profile(model, batch: int, steps: int, threads: int) -> dict:
+def profile(
+    model,
+    batch: int,
+    steps: int,
+    threads: int,
+    prompt_len: int = PROMPT_TOKENS,
+    kv_cache_dtype: str = "auto",
+) -> dict:
     from bench_common import whole_batch_config
 
     from paddle_step.engine.llm_engine import Engine
@@ -93,10 +107,15 @@ def profile(model, batch: int, steps: int, threads: int) -> dict:
 
     vocab = model.config.vocab_size
     rng = np.random.default_rng(batch)
-    prompts = [rng.integers(3, vocab, PROMPT_TOKENS).tolist() for _ in range(batch)]
+    prompts = [rng.integers(3, vocab, prompt_len).tolist() for _ in range(batch)]
     total = WARMUP_STEPS + steps + 1
     config = whole_batch_config(
-        batch, PROMPT_TOKENS + total, BLOCK_SIZE, decoder_pool_ratio=0.5, threads=threads
+        batch,
+        prompt_len + total,
+        BLOCK_SIZE,
+        decoder_pool_ratio=0.5,
+        threads=threads,
+        kv_cache_dtype=kv_cache_dtype,
     )
     engine = Engine(model, config)
     for prompt in prompts:
@@ -140,6 +159,10 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--dense", default="auto", choices=("auto", "eager", "op", "op_widened", "compiled")
     )
+    parser.add_argument("--dtype", default="auto", help="load_checkpoint's dtype")
+    parser.add_argument("--quantization", default=None, help="load_checkpoint's quantization")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype")
+    parser.add_argument("--prompt-len", type=int, default=PROMPT_TOKENS)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     os.environ["PADDLE_STEP_DENSE"] = args.dense  # read when the model's blocks are made
@@ -151,15 +174,22 @@ def main(argv=None) -> dict:
 
     paddle.set_device("cpu")
     threads = default_threads() if args.threads is None else args.threads
-    model = load_checkpoint(args.checkpoint).model
-    rows = [profile(model, int(b), args.steps, threads) for b in args.batches.split(",")]
+    model = load_checkpoint(args.checkpoint, args.dtype, args.quantization).model
+    rows = [
+        profile(model, int(b), args.steps, threads, args.prompt_len, args.kv_cache_dtype)
+        for b in args.batches.split(",")
+    ]
     report = {"checkpoint": args.checkpoint, "dense": args.dense, "threads": threads,
+              "dtype": args.dtype, "quantization": args.quantization,
+              "kv_cache_dtype": args.kv_cache_dtype, "prompt_len": args.prompt_len,
               "results": rows}  # fmt: skip
     if args.json:
         print(json.dumps(report))
         return report
     parts = ("step", "forward", *FORWARD_PARTS, "forward_other", *STEP_PARTS, "step_other")
-    print(f"{args.checkpoint}: dense {args.dense}, {threads} thread(s), median of "
+    weights = args.quantization or args.dtype
+    print(f"{args.checkpoint} ({weights}, KV cache {args.kv_cache_dtype}, prompts of "
+          f"{args.prompt_len}): dense {args.dense}, {threads} thread(s), median of "
           f"{args.steps} decode steps, ms")  # fmt: skip
     print("| part | " + " | ".join(f"B={row['B']}" for row in rows) + " |")
     print("|---|" + "---|" * len(rows))

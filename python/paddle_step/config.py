@@ -10,7 +10,7 @@ import numpy as np
 
 from .tokenizer.byte import ByteTokenizer
 
-__all__ = ["WEIGHT_FORMATS", "EngineConfig", "Llama3RopeScaling", "ModelConfig"]
+__all__ = ["KV_CACHE_DTYPES", "WEIGHT_FORMATS", "EngineConfig", "Llama3RopeScaling", "ModelConfig"]
 
 # Weight formats a float32 model can keep its weights in, packed for the CPU op.
 WEIGHT_FORMATS = ("bfloat16", "int8")
@@ -122,6 +122,10 @@ class ModelConfig:
         return self.hidden_size // self.num_heads
 
 
+# EngineConfig.kv_cache_dtype's values: the model's own dtype, or bfloat16.
+KV_CACHE_DTYPES = ("auto", "bfloat16")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Batch, length and KV-block budget of an ``Engine``.
@@ -147,6 +151,11 @@ class EngineConfig:
             rows come first, one token each; the rest of the budget goes to prompts, a
             long one continuing over several steps (chunked prefill). At least
             ``max_batch``, so every decoding slot runs every step.
+        kv_cache_dtype: how the KV cache stores keys and values (``KV_CACHE_DTYPES``):
+            ``"auto"`` in the model's dtype; ``"bfloat16"`` rounded to bfloat16 (half the
+            memory, and half the bytes a decode token's attention reads) for a float32
+            model on the CPU ops: the step's keys and values are rounded as they are
+            written and widened as attention reads them, which computes in float32.
 
     Prompts and decoding draw on separate block regions: a prompt is admitted only when
     the prompt region (``1 - decoder_pool_ratio`` of the blocks) has room for it, so a
@@ -163,6 +172,7 @@ class EngineConfig:
     threads: int | None = None
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_model_len", "block_size", "num_kv_blocks"):
@@ -187,6 +197,11 @@ class EngineConfig:
             raise ValueError(
                 "EngineConfig.max_num_batched_tokens: expected None or an int >= max_batch "
                 f"({self.max_batch}, one token per decoding slot), got {budget!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"EngineConfig.kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, "
+                f"got {self.kv_cache_dtype!r}"
             )
         if not isinstance(self.enc_dec_block_num, int) or self.enc_dec_block_num < 0:
             raise ValueError(

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..config import EngineConfig
+from ..config import KV_CACHE_DTYPES, EngineConfig
 from .cpu_threads import default_threads
 
 __all__ = [
@@ -72,6 +72,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="int8: weight-only int8 quantized at load, one scale per output channel, "
         "computing in float32 on the CPU op (default: none)",
+    )
+    group.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="KV cache storage: 'auto' in the model's dtype; 'bfloat16' rounds keys and "
+        "values to bfloat16 (half the memory and the bytes attention reads; a float32 model "
+        "on the CPU; attention still computes in float32) (default: auto)",
     )
     group.add_argument("--max-batch", type=int, default=4, help="batch slots")
     group.add_argument("--block-size", type=int, default=8, help="tokens per KV block")
@@ -154,6 +162,8 @@ def check_engine_arguments(parser: argparse.ArgumentParser, args: argparse.Names
         parser.error(
             f"--quantization {args.quantization}: computes in float32, got --dtype float64"
         )
+    if args.kv_cache_dtype == "bfloat16" and args.dtype == "float64":
+        parser.error("--kv-cache-dtype bfloat16: expected a float32 model, got --dtype float64")
     if args.check_ranks and args.tp == 1:
         parser.error("--check-ranks: expected --tp > 1, got --tp 1")
     for name in ("max_batch", "block_size", "max_model_len", "kv_blocks", "tp", "threads"):
@@ -268,6 +278,7 @@ def engine_config(args: argparse.Namespace, context_len: int) -> EngineConfig:
         threads=args.threads or default_threads(args.tp),
         enable_prefix_caching=args.enable_prefix_caching,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

@@ -42,7 +42,7 @@ class ModelRunner:
         self.config = config
         self.state = ShareInputs(config)
         self.kv_cache = PagedKVCache.for_config(
-            model.config, config.num_kv_blocks, config.block_size
+            model.config, config.num_kv_blocks, config.block_size, config.kv_cache_dtype
         )
 
     def _row_writer(self, slots: list[int]):

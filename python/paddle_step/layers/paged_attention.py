@@ -50,10 +50,13 @@ class PagedKVCache:
     ``key`` and ``value`` have shape [num_layers, num_blocks * block_size, num_kv_heads,
     head_dim]; a sequence's tokens live in whichever blocks its block-table row names.
 
-    A float32 or float64 cache on the CPU is written and read by our CPU ops
+    A float32, float64 or bfloat16 cache on the CPU is written and read by our CPU ops
     (``ops/cpu_paged_attention.cc``): each decode token's attention reads its keys and
     values in place, through its block-table row. Elsewhere the writes are index puts
     and attention reads a gathered copy (``head_major_rows``, ``gather_head_major``).
+    A bfloat16 cache serves a float32 model: the keys and values are rounded to bfloat16
+    as they are written and widened back (exactly) as they are read; it runs on the CPU
+    ops only.
     """
 
     def __init__(
@@ -69,6 +72,11 @@ class PagedKVCache:
             raise ValueError(
                 f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}"
             )
+        if dtype == "bfloat16" and paddle.get_device() != "cpu":
+            raise ValueError(
+                "PagedKVCache: argument 'dtype': a bfloat16 cache runs on the CPU ops only, "
+                f"got device {paddle.get_device()!r}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = [num_layers, num_blocks * block_size, num_kv_heads, head_dim]
@@ -77,18 +85,28 @@ class PagedKVCache:
         self.uses_cpu_ops = self.key.place.is_cpu_place() and self.key.dtype in (
             paddle.float32,
             paddle.float64,
+            paddle.bfloat16,
         )
 
     @classmethod
-    def for_config(cls, config: ModelConfig, num_blocks: int, block_size: int) -> PagedKVCache:
-        """A cache shaped for a model built from ``config``."""
+    def for_config(
+        cls, config: ModelConfig, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto"
+    ) -> PagedKVCache:
+        """A cache shaped for a model built from ``config``, storing keys and values in
+        ``kv_cache_dtype`` (``EngineConfig.kv_cache_dtype``: "auto" is the model's dtype)."""
+        dtype = config.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+        if dtype == "bfloat16" and config.dtype != "float32":
+            raise ValueError(
+                "kv_cache_dtype 'bfloat16': expected a model computing in float32, got "
+                f"{config.dtype!r}"
+            )
         return cls(
             num_blocks,
             block_size,
             config.num_layers,
             config.num_kv_heads,
             config.head_dim,
-            config.dtype,
+            dtype,
         )
 
     @property
@@ -133,6 +151,8 @@ class PagedKVCache:
         head_dim = self.key.shape[3]
         k = paddle.gather(self.key[layer].reshape([-1, head_dim]), flat)
         v = paddle.gather(self.value[layer].reshape([-1, head_dim]), flat)
+        if self.key.dtype == paddle.bfloat16:  # attention computes in float32
+            k, v = k.astype("float32"), v.astype("float32")
         return k.reshape([*rows.shape, head_dim]), v.reshape([*rows.shape, head_dim])
 
     def view(

@@ -229,8 +229,8 @@ class DecoderLayer(nn.Layer):
         """``forward`` as one call of our CPU op (``rope``: [T, head_dim] each), which
         writes the step's K/V into layer ``index`` of ``step.kv_cache`` and then attends
         through each token's block-table row (a token at position p sees the cache's keys
-        0..p, its own step's among them): for a float32 cache with ``uses_cpu_ops`` and
-        ``LayerFusion.fuse_layers``."""
+        0..p, its own step's among them): for a float32 model whose cache ``uses_cpu_ops``
+        (float32 or bfloat16) and ``LayerFusion.fuse_layers``."""
         w_qkv, qkv_bias, w_o, w_gate_up, w_down = self._dense_weights()
         cfg = self.config
 
@@ -561,8 +561,11 @@ class LlamaForCausalLM(nn.Layer):
         Tokens of a row starting at position 0 (a prefill) use the step's own K/V; the others
         read theirs back from the cache (so earlier steps' K/V must be there): once per row
         for a row of several tokens (a prompt chunk), once per token for a decode row. Where
-        the layers fuse (a float32 CPU cache, ``FusedStep``), every token reads its keys from
-        the cache, written first with the step's own: the same values. Returns
+        the layers fuse (a float32 model, a cache on the CPU ops, ``FusedStep``), every
+        token reads its keys from the cache, written first with the step's own: the same
+        values, except that a bfloat16 cache holds them rounded (a prompt's tokens then see
+        their own keys rounded, where the dense blocks give them the step's float32 ones).
+        Returns
         logits [R, vocab] of the tokens ``last_token_index`` names; -1 gets zeros (the LM
         head runs on every index given: pass only the rows that sample). With
         ``extra_index`` ([N] int64 flat token indices), also the logits [N, vocab] of those

@@ -1,0 +1,134 @@
+"""A bfloat16 KV cache (``EngineConfig.kv_cache_dtype``, ``--kv-cache-dtype``): the cache
+holds the float32 keys and values rounded, the engine stays exact under preemption, the
+held-out perplexity stays within 1% of a float32 cache's, and what cannot run is refused."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import paddle
+import pytest
+
+from paddle_step.config import EngineConfig, ModelConfig
+from paddle_step.engine.arg_utils import (
+    add_engine_arguments,
+    check_engine_arguments,
+    engine_config,
+)
+from paddle_step.engine.llm_engine import Engine
+from paddle_step.model_loader.loader import load_checkpoint
+from paddle_step.models.llama import LlamaForCausalLM
+from paddle_step.sampling_params import SamplingParams
+from paddle_step.testing.perplexity import perplexity_through_cache
+
+TESTS = Path(__file__).resolve().parents[1]
+SHIPPED = TESTS.parent / "python" / "paddle_step" / "assets" / "pydoc-tiny"
+HELD_OUT = TESTS / "data" / "heldout" / "python_notes.txt"
+# How a float32 model's layers run (PADDLE_STEP_DENSE, read when a model is built): "op",
+# whole layers as one CPU call that attends through the cache for every token; "eager",
+# the dense blocks with a per-layer attention that gives prompts their own float32 K/V.
+WAYS = ("op", "eager")
+
+
+def round_to_bfloat16(values: np.ndarray) -> np.ndarray:
+    """float32 ``values`` (finite) rounded to the nearest bfloat16, ties to even, as
+    float32."""
+    bits = values.astype(np.float32).view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) & np.uint32(0xFFFF0000)
+    return rounded.view(np.float32)
+
+
+def small_model(way: str, monkeypatch) -> LlamaForCausalLM:
+    monkeypatch.setenv("PADDLE_STEP_DENSE", way)
+    return LlamaForCausalLM(ModelConfig(seed=3))
+
+
+def config(num_kv_blocks: int = 64, kv_cache_dtype: str = "bfloat16") -> EngineConfig:
+    return EngineConfig(max_batch=4, max_model_len=48, block_size=4, num_kv_blocks=num_kv_blocks,
+                        enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+
+
+PROMPTS = [[5, 9, 2, 77, 31, 8, 14], [3, 3, 60], [101, 7, 22, 9, 40, 1, 2, 3, 18, 6, 11], [4]]
+
+
+def test_cache_stores_bfloat16_half_the_bytes(monkeypatch) -> None:
+    engine = Engine(small_model("op", monkeypatch), config())
+    cache = engine.runner.kv_cache
+    assert cache.key.dtype == paddle.bfloat16 and cache.value.dtype == paddle.bfloat16
+    float32 = Engine(small_model("op", monkeypatch), config(kv_cache_dtype="auto"))
+    assert float32.runner.kv_cache.key.dtype == paddle.float32
+    assert cache.key.shape == float32.runner.kv_cache.key.shape
+
+
+def test_prompt_keys_are_the_float32_ones_rounded(monkeypatch) -> None:
+    """After a prefill, a bfloat16 cache holds exactly the float32 cache's keys and values
+    rounded to bfloat16: in every layer where prompts attend over their own float32 K/V
+    (the dense blocks), in the first layer where they attend through the cache."""
+    for way in WAYS:
+        model = small_model(way, monkeypatch)
+        caches = {}
+        for dtype in ("auto", "bfloat16"):
+            engine = Engine(model, config(kv_cache_dtype=dtype))
+            engine.generate(PROMPTS, SamplingParams(max_tokens=1))
+            cache = engine.runner.kv_cache
+            caches[dtype] = [t.astype("float32").numpy() for t in (cache.key, cache.value)]
+        layers = slice(None) if way == "eager" else slice(0, 1)
+        for float32, bfloat16 in zip(caches["auto"], caches["bfloat16"]):
+            assert np.count_nonzero(float32[layers]) > 0
+            np.testing.assert_array_equal(bfloat16[layers], round_to_bfloat16(float32[layers]))
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_preemption_changes_no_token(way, monkeypatch) -> None:
+    """Greedy tokens with a bfloat16 cache are the same whether the batch runs at once or
+    is preempted and recomputed (a recovered sequence's keys are rounded again, the same)."""
+    model = small_model(way, monkeypatch)
+    params = SamplingParams(max_tokens=30, eos_token_id=[])
+    generous = Engine(model, config(num_kv_blocks=64)).generate(PROMPTS, params)
+    tight_engine = Engine(model, config(num_kv_blocks=24))
+    tight = tight_engine.generate(PROMPTS, params)
+    assert tight_engine.stats.preemptions > 0
+    assert [r.outputs[0].token_ids for r in tight] == [r.outputs[0].token_ids for r in generous]
+
+
+def test_held_out_perplexity_within_1_percent_of_float32(monkeypatch) -> None:
+    """The shipped model over a text it was not trained on, each token after the first
+    reading the keys before it from the cache: bfloat16 within 1% of float32, each way."""
+    results = {}
+    for way in WAYS:
+        monkeypatch.setenv("PADDLE_STEP_DENSE", way)
+        loaded = load_checkpoint(SHIPPED, "float32")
+        ids = loaded.tokenizer.encode(HELD_OUT.read_text())
+        for dtype in ("auto", "bfloat16"):
+            results[way, dtype] = perplexity_through_cache(
+                loaded.model, ids, loaded.max_model_len, dtype
+            )
+    print("held-out perplexity through the cache:", {k: round(v, 3) for k, v in results.items()})
+    for way in WAYS:
+        assert abs(results[way, "bfloat16"] / results[way, "auto"] - 1) <= 0.01, results
+
+
+def test_refusals(monkeypatch) -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype: expected one of"):
+        config(kv_cache_dtype="float16")
+    float64 = LlamaForCausalLM(ModelConfig(dtype="float64", seed=3))
+    with pytest.raises(ValueError, match="kv_cache_dtype 'bfloat16': expected a model"):
+        Engine(float64, config())
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(argv)
+    check_engine_arguments(parser, args)
+    return args
+
+
+def test_flag_reaches_the_engine_config(capsys) -> None:
+    assert engine_config(parse(["--kv-cache-dtype", "bfloat16"]), 64).kv_cache_dtype == "bfloat16"
+    assert engine_config(parse([]), 64).kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit):
+        parse(["--kv-cache-dtype", "bfloat16", "--dtype", "float64"])
+    assert "--kv-cache-dtype bfloat16: expected a float32 model" in capsys.readouterr().err
