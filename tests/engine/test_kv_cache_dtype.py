@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ from paddle_step.engine.arg_utils import (
     engine_config,
 )
 from paddle_step.engine.llm_engine import Engine
+from paddle_step.layers.paged_attention import PagedKVCache
 from paddle_step.model_loader.loader import load_checkpoint
 from paddle_step.models.llama import LlamaForCausalLM
 from paddle_step.sampling_params import SamplingParams
@@ -94,6 +96,37 @@ def test_preemption_changes_no_token(way, monkeypatch) -> None:
     tight = tight_engine.generate(PROMPTS, params)
     assert tight_engine.stats.preemptions > 0
     assert [r.outputs[0].token_ids for r in tight] == [r.outputs[0].token_ids for r in generous]
+
+
+def test_prefix_caching_and_chunked_prefill_change_no_token(monkeypatch) -> None:
+    """Where every token attends through the cache (layers fused), a prompt whose first
+    blocks come from the prefix cache, or that runs in chunks of 5 tokens, sees the very
+    rounded keys it would have written itself: the same greedy tokens."""
+    model = small_model("op", monkeypatch)
+    shared = [8, 1, 30, 44, 2, 9, 17, 3, 21, 5]  # 2 full blocks of 4, then more
+    prompts = [shared + [12, 40], shared + [7], shared + [33, 2, 6]]
+    params = SamplingParams(max_tokens=12, eos_token_id=[])
+    plain = Engine(model, config()).generate(prompts, params)
+    for fields in ({"enable_prefix_caching": True}, {"max_num_batched_tokens": 5}):
+        engine = Engine(model, replace(config(), **fields))
+        results = [engine.generate([prompt], params)[0] for prompt in prompts]
+        assert [r.outputs[0].token_ids for r in results] == [r.outputs[0].token_ids for r in plain]
+        if "enable_prefix_caching" in fields:
+            assert sum(r.cached_tokens for r in results) > 0
+
+
+def test_gathered_keys_are_widened_to_float32() -> None:
+    """The dense blocks' prompt chunks read keys gathered from the cache: a bfloat16 cache
+    gives them float32, the written values rounded."""
+    cache = PagedKVCache(4, 2, 2, 3, 5, dtype="bfloat16")
+    rng = np.random.default_rng(0)
+    k, v = (rng.standard_normal((3, 3, 5)).astype(np.float32) for _ in range(2))
+    slots = paddle.to_tensor(np.array([6, 0, 3], np.int64))
+    cache.write(1, slots, paddle.to_tensor(k), paddle.to_tensor(v))
+    keys, values = cache.gather_head_major(1, cache.head_major_rows(slots.reshape([1, 3])))
+    assert keys.dtype == paddle.float32 and values.dtype == paddle.float32
+    np.testing.assert_array_equal(keys.numpy()[0], round_to_bfloat16(k).transpose(1, 0, 2))
+    np.testing.assert_array_equal(values.numpy()[0], round_to_bfloat16(v).transpose(1, 0, 2))
 
 
 def test_held_out_perplexity_within_1_percent_of_float32(monkeypatch) -> None:
