@@ -185,6 +185,9 @@ def test_refusals(monkeypatch) -> None:
     float64 = LlamaForCausalLM(ModelConfig(dtype="float64", seed=3))
     with pytest.raises(ValueError, match="kv_cache_dtype 'bfloat16': expected a model"):
         Engine(float64, config())
+    monkeypatch.setattr(paddle, "get_device", lambda: "gpu:0")  # refused before allocating
+    with pytest.raises(ValueError, match=r"kv_cache_dtype\) 'bfloat16': expected the CPU"):
+        PagedKVCache(4, 2, 1, 1, 8, dtype="bfloat16")
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -74,8 +74,8 @@ class PagedKVCache:
             )
         if dtype == "bfloat16" and paddle.get_device() != "cpu":
             raise ValueError(
-                "PagedKVCache: argument 'dtype': a bfloat16 cache runs on the CPU ops only, "
-                f"got device {paddle.get_device()!r}"
+                "PagedKVCache: argument 'dtype' (EngineConfig.kv_cache_dtype) 'bfloat16': "
+                f"expected the CPU, where our ops run, got device {paddle.get_device()!r}"
             )
         self.num_blocks = num_blocks
         self.block_size = block_size
