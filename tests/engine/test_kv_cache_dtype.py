@@ -25,7 +25,8 @@ from paddle_step.layers.paged_attention import PagedKVCache
 from paddle_step.model_loader.loader import load_checkpoint
 from paddle_step.models.llama import LlamaForCausalLM
 from paddle_step.sampling_params import SamplingParams
-from paddle_step.testing.perplexity import perplexity_through_cache
+from paddle_step.testing.perplexity import log_softmax, perplexity_through_cache
+from paddle_step.testing.weight_formats import bfloat16_values
 
 TESTS = Path(__file__).resolve().parents[1]
 SHIPPED = TESTS.parent / "python" / "paddle_step" / "assets" / "pydoc-tiny"
@@ -35,14 +36,6 @@ GOLDEN_DIR = TESTS / "data" / "hf-tiny"
 # whole layers as one CPU call that attends through the cache for every token; "eager",
 # the dense blocks with a per-layer attention that gives prompts their own float32 K/V.
 WAYS = ("op", "eager")
-
-
-def round_to_bfloat16(values: np.ndarray) -> np.ndarray:
-    """float32 ``values`` (finite) rounded to the nearest bfloat16, ties to even, as
-    float32."""
-    bits = values.astype(np.float32).view(np.uint32)
-    rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) & np.uint32(0xFFFF0000)
-    return rounded.view(np.float32)
 
 
 def small_model(way: str, monkeypatch) -> LlamaForCausalLM:
@@ -82,7 +75,7 @@ def test_prompt_keys_are_the_float32_ones_rounded(monkeypatch) -> None:
         layers = slice(None) if way == "eager" else slice(0, 1)
         for float32, bfloat16 in zip(caches["auto"], caches["bfloat16"]):
             assert np.count_nonzero(float32[layers]) > 0
-            np.testing.assert_array_equal(bfloat16[layers], round_to_bfloat16(float32[layers]))
+            np.testing.assert_array_equal(bfloat16[layers], bfloat16_values(float32[layers]))
 
 
 @pytest.mark.parametrize("way", WAYS)
@@ -125,8 +118,8 @@ def test_gathered_keys_are_widened_to_float32() -> None:
     cache.write(1, slots, paddle.to_tensor(k), paddle.to_tensor(v))
     keys, values = cache.gather_head_major(1, cache.head_major_rows(slots.reshape([1, 3])))
     assert keys.dtype == paddle.float32 and values.dtype == paddle.float32
-    np.testing.assert_array_equal(keys.numpy()[0], round_to_bfloat16(k).transpose(1, 0, 2))
-    np.testing.assert_array_equal(values.numpy()[0], round_to_bfloat16(v).transpose(1, 0, 2))
+    np.testing.assert_array_equal(keys.numpy()[0], bfloat16_values(k).transpose(1, 0, 2))
+    np.testing.assert_array_equal(values.numpy()[0], bfloat16_values(v).transpose(1, 0, 2))
 
 
 def test_held_out_perplexity_within_1_percent_of_float32(monkeypatch) -> None:
@@ -144,11 +137,6 @@ def test_held_out_perplexity_within_1_percent_of_float32(monkeypatch) -> None:
     print("held-out perplexity through the cache:", {k: round(v, 3) for k, v in results.items()})
     for way in WAYS:
         assert abs(results[way, "bfloat16"] / results[way, "auto"] - 1) <= 0.01, results
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits - logits.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
 @pytest.mark.parametrize("name", ("llama-tiny", "qwen2-tiny"))

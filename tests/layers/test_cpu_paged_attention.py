@@ -14,6 +14,7 @@ from paddle_step.layers import cpu_linear
 from paddle_step.layers.paged_attention import PagedKVCache
 from paddle_step.models.llama import FusedStep, LlamaForCausalLM
 from paddle_step.testing.cpu_paths import ISA_PATHS, on_isa, runs_here
+from paddle_step.testing.weight_formats import bfloat16_bits
 
 # (heads, kv_heads, head_dim, block_size): MHA and GQA groups, head dims off the vector
 # widths (8, 16) and on them, blocks of one slot and of several. (4, 2, 27, 8): 11 last dims
@@ -101,13 +102,6 @@ def test_float64_matches_reference(shape):
     expected = reference_attention(q, key[1], value[1], tables, rows, positions, block_size,
                                    scale)  # fmt: skip
     np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-13)
-
-
-def bfloat16_bits(values):
-    """float32 ``values`` rounded to bfloat16 (to nearest, ties to even), as uint16 bits:
-    for finite values."""
-    bits = values.astype(np.float32).view(np.uint32).astype(np.uint64)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 def bits_of(cache):

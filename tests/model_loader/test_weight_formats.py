@@ -19,7 +19,7 @@ from paddle_step.layers import cpu_linear
 from paddle_step.model_loader.loader import load_checkpoint
 from paddle_step.models.llama import LlamaForCausalLM
 from paddle_step.sampling_params import SamplingParams
-from paddle_step.testing.perplexity import perplexity
+from paddle_step.testing.perplexity import log_softmax, perplexity
 from paddle_step.testing.weight_formats import bfloat16_values, int8_values, write_bfloat16_copy
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -47,11 +47,6 @@ def load(path: Path, weight_format: str):
 
 def golden_prompts(name: str) -> list[dict]:
     return [e for e in GOLDEN["models"][name]["prompts"] if e["dtype"] == "float64"]
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits - logits.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..config import EngineConfig
+from ..engine.llm_engine import Engine
+from ..sampling_params import SamplingParams
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Log-probabilities over the last axis of ``logits``, in their dtype."""
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
 
 def perplexity(model, token_ids: Sequence[int], window: int) -> float:
     """exp(mean next-token negative log-likelihood) of ``token_ids`` under ``model`` (a
@@ -19,8 +29,7 @@ def perplexity(model, token_ids: Sequence[int], window: int) -> float:
         if len(chunk) < 2:
             break
         logits = model.logits_all_positions(chunk).numpy().astype(np.float64)[:-1]
-        shifted = logits - logits.max(axis=1, keepdims=True)
-        log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        log_probs = log_softmax(logits)
         total -= log_probs[np.arange(len(chunk) - 1), chunk[1:]].sum()
         count += len(chunk) - 1
     return math.exp(total / count)
@@ -33,10 +42,6 @@ def perplexity_through_cache(
     reads the keys and values before it back from the paged KV cache (stored in
     ``kv_cache_dtype``): each window is one request's prompt, run one token a step
     (``max_num_batched_tokens`` 1), and its prompt logprobs are the predictions."""
-    from ..config import EngineConfig
-    from ..engine.llm_engine import Engine
-    from ..sampling_params import SamplingParams
-
     block_size = 16
     blocks = -(-(window + 1) // block_size)  # room for the token after the prompt
     config = EngineConfig(max_batch=1, max_model_len=blocks * block_size, block_size=block_size,
