@@ -133,31 +133,81 @@ PADDLE_STEP_LOOP_INLINE void WidenRow(const uint16_t* in, int64_t count,
   for (; e < count; ++e) out[e] = Widened(in[e]);
 }
 
-// o[0 .. kVectors * Floats::kLanes) = sum over j of weights[j] * v_j (from
+// For kHeads query heads h reading the same KV head: o_h[first ..
+// first + kVectors * Floats::kLanes) = sum over j of weights_h[j] * v_j (from
 // `first` of each value row, float32 or widened bfloat16), in order of j, the
-// sums kept in registers; prefetching the rows of `ahead_bytes` kRowsAhead
-// slots ahead (0: none).
-template <typename Floats, int kVectors, typename Cache>
+// sums kept in registers; weights_h = weights + h * count, o_h = o + h *
+// head_dim. Each value vector is loaded once for the kHeads heads. Prefetches
+// the rows' `ahead_bytes` kRowsAhead slots ahead (0: none).
+template <typename Floats, int kVectors, int kHeads, typename Cache>
 PADDLE_STEP_LOOP_INLINE void WeightedVectors(const float* weights,
                                              const Cache* value,
                                              const int64_t* slots,
                                              int64_t count, int64_t stride,
                                              int64_t first, float* o,
+                                             int64_t head_dim,
                                              int64_t ahead_bytes) {
-  typename Floats::Vec sum[kVectors];
-  for (int i = 0; i < kVectors; ++i) sum[i] = Floats::Zero();
+  typename Floats::Vec sum[kHeads][kVectors];
+  for (int h = 0; h < kHeads; ++h) {
+    for (int i = 0; i < kVectors; ++i) sum[h][i] = Floats::Zero();
+  }
   for (int64_t j = 0; j < count; ++j) {
     if (ahead_bytes > 0 && j + kRowsAhead < count) {
       PrefetchRow(value + slots[j + kRowsAhead] * stride, ahead_bytes);
     }
-    const typename Floats::Vec w = Floats::Broadcast(weights[j]);
     const Cache* v = value + slots[j] * stride + first;
+    typename Floats::Vec loaded[kVectors];
     for (int i = 0; i < kVectors; ++i) {
-      sum[i] = Floats::MulAdd(w, Floats::Load(v + i * Floats::kLanes), sum[i]);
+      loaded[i] = Floats::Load(v + i * Floats::kLanes);
+    }
+    for (int h = 0; h < kHeads; ++h) {
+      const typename Floats::Vec w = Floats::Broadcast(weights[h * count + j]);
+      for (int i = 0; i < kVectors; ++i) {
+        sum[h][i] = Floats::MulAdd(w, loaded[i], sum[h][i]);
+      }
     }
   }
-  for (int i = 0; i < kVectors; ++i) {
-    Floats::Store(o + first + i * Floats::kLanes, sum[i]);
+  for (int h = 0; h < kHeads; ++h) {
+    for (int i = 0; i < kVectors; ++i) {
+      Floats::Store(o + h * head_dim + first + i * Floats::kLanes, sum[h][i]);
+    }
+  }
+}
+
+// WeightedVectors for `heads` (1 .. kMaxHeads) heads.
+template <typename Floats, int kVectors, int kMaxHeads, typename Cache>
+PADDLE_STEP_LOOP_INLINE void WeightedVectorsOf(int64_t heads,
+                                               const float* weights,
+                                               const Cache* value,
+                                               const int64_t* slots,
+                                               int64_t count, int64_t stride,
+                                               int64_t first, float* o,
+                                               int64_t head_dim,
+                                               int64_t ahead_bytes) {
+  static_assert(kMaxHeads == 2 || kMaxHeads == 4);
+  switch (heads) {
+    case 1:
+      return WeightedVectors<Floats, kVectors, 1>(
+          weights, value, slots, count, stride, first, o, head_dim,
+          ahead_bytes);
+    case 2:
+      return WeightedVectors<Floats, kVectors, 2>(
+          weights, value, slots, count, stride, first, o, head_dim,
+          ahead_bytes);
+    case 3:
+      if constexpr (kMaxHeads == 4) {
+        return WeightedVectors<Floats, kVectors, 3>(
+            weights, value, slots, count, stride, first, o, head_dim,
+            ahead_bytes);
+      }
+      break;
+    default:
+      if constexpr (kMaxHeads == 4) {
+        return WeightedVectors<Floats, kVectors, 4>(
+            weights, value, slots, count, stride, first, o, head_dim,
+            ahead_bytes);
+      }
+      break;
   }
 }
 
@@ -259,6 +309,22 @@ inline void ScoresOf16Keys(const float* q, const Cache* key,
 #pragma GCC pop_options
 #endif
 
+// o[d] = sum over j of weights[j] * v_j[d] for the dims d in [first,
+// head_dim), one by one (float64, and a float32 head's last dims).
+template <typename T, typename Cache>
+PADDLE_STEP_LOOP_INLINE void LastDims(const T* weights, const Cache* value,
+                                      const int64_t* slots, int64_t count,
+                                      int64_t stride, int64_t first,
+                                      int64_t head_dim, T* o) {
+  for (int64_t d = first; d < head_dim; ++d) {
+    T sum = 0;
+    for (int64_t j = 0; j < count; ++j) {
+      sum += weights[j] * Widened(value[slots[j] * stride + d]);
+    }
+    o[d] = sum;
+  }
+}
+
 // One token and a run of KV heads, `group` query heads each (q: [heads,
 // head_dim], query head h reading KV head h / group of the run): the scores
 // of the `count` visible keys (`stride` values between two slots; key and
@@ -338,34 +404,48 @@ PADDLE_STEP_LOOP_INLINE void AttendRows(
     const T inverse = static_cast<T>(1.0 / total);
     for (int64_t j = 0; j < count; ++j) row[j] *= inverse;
   }
-  for (int64_t j = 0; j < std::min(count, kRowsAhead); ++j) {
-    PrefetchRow(value + slots[j] * stride, row_bytes);
-  }
-  for (int64_t h = 0; h < heads; ++h) {
-    const T* weights = scores + h * count;
-    const Cache* v = value + h / group * head_dim;
-    T* o = out + h * head_dim;
-    int64_t d = 0;
-    if constexpr (std::is_same_v<T, float>) {
-      constexpr int64_t kLanes = Floats::kLanes;
-      // The first pass over the values prefetches them; the others find
-      // them in cache.
-      int64_t ahead = h == 0 ? row_bytes : 0;
-      for (; d + 4 * kLanes <= head_dim; d += 4 * kLanes, ahead = 0) {
-        WeightedVectors<Floats, 4>(weights, v, slots, count, stride, d, o,
-                                   ahead);
-      }
-      for (; d + kLanes <= head_dim; d += kLanes, ahead = 0) {
-        WeightedVectors<Floats, 1>(weights, v, slots, count, stride, d, o,
-                                   ahead);
-      }
+  // The values: one pass over the rows per KV head and run of up to
+  // kMaxHeads of its query heads, each value vector loaded once for the run:
+  // a long context's rows, which do not stay in the L2 cache, come from
+  // memory once per KV head, not once per query head. The first pass over a
+  // KV head's values prefetches them; the others find them in cache.
+  const int64_t kv_bytes = head_dim * static_cast<int64_t>(sizeof(Cache));
+  for (int64_t g = 0; g < heads / group; ++g) {
+    const Cache* v = value + g * head_dim;
+    for (int64_t j = 0; j < std::min(count, kRowsAhead); ++j) {
+      PrefetchRow(v + slots[j] * stride, kv_bytes);
     }
-    for (; d < head_dim; ++d) {  // float64, and a float32 head's last dims
-      T sum = 0;
-      for (int64_t j = 0; j < count; ++j) {
-        sum += weights[j] * Widened(v[slots[j] * stride + d]);
+    int64_t ahead = kv_bytes;
+    for (int64_t h = g * group; h < (g + 1) * group;) {
+      const T* weights = scores + h * count;
+      T* o = out + h * head_dim;
+      int64_t d = 0;
+      if constexpr (std::is_same_v<T, float>) {
+        constexpr int64_t kLanes = Floats::kLanes;
+        // Accumulators of 4 heads fill 16 of AVX-512's 32 registers; AVX2
+        // has 16: 2 heads.
+        constexpr int kMaxHeads = kLanes >= 16 ? 4 : 2;
+        const int64_t run = std::min<int64_t>(kMaxHeads, (g + 1) * group - h);
+        for (; d + 4 * kLanes <= head_dim; d += 4 * kLanes, ahead = 0) {
+          WeightedVectorsOf<Floats, 4, kMaxHeads>(run, weights, v, slots, count,
+                                                  stride, d, o, head_dim,
+                                                  ahead);
+        }
+        for (; d + kLanes <= head_dim; d += kLanes, ahead = 0) {
+          WeightedVectorsOf<Floats, 1, kMaxHeads>(run, weights, v, slots, count,
+                                                  stride, d, o, head_dim,
+                                                  ahead);
+        }
+        // The run's last dims (head_dim % kLanes), one head at a time.
+        for (int64_t r = 0; r < run; ++r) {
+          LastDims(weights + r * count, v, slots, count, stride, d, head_dim,
+                   o + r * head_dim);
+        }
+        h += run;
+      } else {
+        LastDims(weights, v, slots, count, stride, d, head_dim, o);
+        ++h;
       }
-      o[d] = sum;
     }
   }
 }
