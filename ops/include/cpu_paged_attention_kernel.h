@@ -138,7 +138,7 @@ PADDLE_STEP_LOOP_INLINE void WidenRow(const uint16_t* in, int64_t count,
 // `first` of each value row, float32 or widened bfloat16), in order of j, the
 // sums kept in registers; weights_h = weights + h * count, o_h = o + h *
 // head_dim. Each value vector is loaded once for the kHeads heads. Prefetches
-// the rows' `ahead_bytes` kRowsAhead slots ahead (0: none).
+// the rows' `ahead_bytes` `rows_ahead` slots ahead (0 bytes: none).
 template <typename Floats, int kVectors, int kHeads, typename Cache>
 PADDLE_STEP_LOOP_INLINE void WeightedVectors(const float* weights,
                                              const Cache* value,
@@ -146,14 +146,15 @@ PADDLE_STEP_LOOP_INLINE void WeightedVectors(const float* weights,
                                              int64_t count, int64_t stride,
                                              int64_t first, float* o,
                                              int64_t head_dim,
-                                             int64_t ahead_bytes) {
+                                             int64_t ahead_bytes,
+                                             int64_t rows_ahead) {
   typename Floats::Vec sum[kHeads][kVectors];
   for (int h = 0; h < kHeads; ++h) {
     for (int i = 0; i < kVectors; ++i) sum[h][i] = Floats::Zero();
   }
   for (int64_t j = 0; j < count; ++j) {
-    if (ahead_bytes > 0 && j + kRowsAhead < count) {
-      PrefetchRow(value + slots[j + kRowsAhead] * stride, ahead_bytes);
+    if (ahead_bytes > 0 && j + rows_ahead < count) {
+      PrefetchRow(value + slots[j + rows_ahead] * stride, ahead_bytes);
     }
     const Cache* v = value + slots[j] * stride + first;
     typename Floats::Vec loaded[kVectors];
@@ -183,29 +184,30 @@ PADDLE_STEP_LOOP_INLINE void WeightedVectorsOf(int64_t heads,
                                                int64_t count, int64_t stride,
                                                int64_t first, float* o,
                                                int64_t head_dim,
-                                               int64_t ahead_bytes) {
+                                               int64_t ahead_bytes,
+                                               int64_t rows_ahead) {
   static_assert(kMaxHeads == 2 || kMaxHeads == 4);
   switch (heads) {
     case 1:
       return WeightedVectors<Floats, kVectors, 1>(
           weights, value, slots, count, stride, first, o, head_dim,
-          ahead_bytes);
+          ahead_bytes, rows_ahead);
     case 2:
       return WeightedVectors<Floats, kVectors, 2>(
           weights, value, slots, count, stride, first, o, head_dim,
-          ahead_bytes);
+          ahead_bytes, rows_ahead);
     case 3:
       if constexpr (kMaxHeads == 4) {
         return WeightedVectors<Floats, kVectors, 3>(
             weights, value, slots, count, stride, first, o, head_dim,
-            ahead_bytes);
+            ahead_bytes, rows_ahead);
       }
       break;
     default:
       if constexpr (kMaxHeads == 4) {
         return WeightedVectors<Floats, kVectors, 4>(
             weights, value, slots, count, stride, first, o, head_dim,
-            ahead_bytes);
+            ahead_bytes, rows_ahead);
       }
       break;
   }
@@ -408,11 +410,14 @@ PADDLE_STEP_LOOP_INLINE void AttendRows(
   // kMaxHeads of its query heads, each value vector loaded once for the run:
   // a long context's rows, which do not stay in the L2 cache, come from
   // memory once per KV head, not once per query head. The first pass over a
-  // KV head's values prefetches them; the others find them in cache.
+  // KV head's values prefetches them, as many rows further ahead as the run
+  // has KV heads: the bytes in flight of a whole row kRowsAhead slots ahead
+  // (a bfloat16 cache's 128-byte parts 16 rows ahead left the memory idle).
   const int64_t kv_bytes = head_dim * static_cast<int64_t>(sizeof(Cache));
+  const int64_t rows_ahead = kRowsAhead * (heads / group);
   for (int64_t g = 0; g < heads / group; ++g) {
     const Cache* v = value + g * head_dim;
-    for (int64_t j = 0; j < std::min(count, kRowsAhead); ++j) {
+    for (int64_t j = 0; j < std::min(count, rows_ahead); ++j) {
       PrefetchRow(v + slots[j] * stride, kv_bytes);
     }
     int64_t ahead = kv_bytes;
@@ -429,12 +434,12 @@ PADDLE_STEP_LOOP_INLINE void AttendRows(
         for (; d + 4 * kLanes <= head_dim; d += 4 * kLanes, ahead = 0) {
           WeightedVectorsOf<Floats, 4, kMaxHeads>(run, weights, v, slots, count,
                                                   stride, d, o, head_dim,
-                                                  ahead);
+                                                  ahead, rows_ahead);
         }
         for (; d + kLanes <= head_dim; d += kLanes, ahead = 0) {
           WeightedVectorsOf<Floats, 1, kMaxHeads>(run, weights, v, slots, count,
                                                   stride, d, o, head_dim,
-                                                  ahead);
+                                                  ahead, rows_ahead);
         }
         // The run's last dims (head_dim % kLanes), one head at a time.
         for (int64_t r = 0; r < run; ++r) {
