@@ -133,30 +133,42 @@ PADDLE_STEP_LOOP_INLINE void WidenRow(const uint16_t* in, int64_t count,
   for (; e < count; ++e) out[e] = Widened(in[e]);
 }
 
-// For kHeads query heads h reading the same KV head: o_h[first ..
-// first + kVectors * Floats::kLanes) = sum over j of weights_h[j] * v_j (from
-// `first` of each value row, float32 or widened bfloat16), in order of j, the
-// sums kept in registers; weights_h = weights + h * count, o_h = o + h *
-// head_dim. Each value vector is loaded once for the kHeads heads. Prefetches
-// the rows' `ahead_bytes` `rows_ahead` slots ahead (0 bytes: none).
+// A pass over the values of one KV head: `count` rows at `slots`, `stride`
+// values apart from `value` (the KV head's first value), query heads'
+// weights and outputs `count` and `head_dim` apart, prefetching `rows_ahead`
+// slots ahead.
+template <typename Cache>
+struct ValuePass {
+  const Cache* value;
+  const int64_t* slots;
+  int64_t count;
+  int64_t stride;
+  int64_t head_dim;
+  int64_t rows_ahead;
+};
+
+// For kHeads query heads h reading the pass's KV head: o_h[first .. first +
+// kVectors * Floats::kLanes) = sum over j of weights_h[j] * v_j (from `first`
+// of each value row, float32 or widened bfloat16), in order of j, the sums
+// kept in registers; weights_h = weights + h * count, o_h = o + h * head_dim.
+// Each value vector is loaded once for the kHeads heads. Prefetches the rows'
+// `ahead_bytes` (0: none).
 template <typename Floats, int kVectors, int kHeads, typename Cache>
-PADDLE_STEP_LOOP_INLINE void WeightedVectors(const float* weights,
-                                             const Cache* value,
-                                             const int64_t* slots,
-                                             int64_t count, int64_t stride,
-                                             int64_t first, float* o,
-                                             int64_t head_dim,
-                                             int64_t ahead_bytes,
-                                             int64_t rows_ahead) {
+PADDLE_STEP_LOOP_INLINE void WeightedVectors(const ValuePass<Cache>& pass,
+                                             const float* weights, float* o,
+                                             int64_t first,
+                                             int64_t ahead_bytes) {
+  const int64_t count = pass.count;
   typename Floats::Vec sum[kHeads][kVectors];
   for (int h = 0; h < kHeads; ++h) {
     for (int i = 0; i < kVectors; ++i) sum[h][i] = Floats::Zero();
   }
   for (int64_t j = 0; j < count; ++j) {
-    if (ahead_bytes > 0 && j + rows_ahead < count) {
-      PrefetchRow(value + slots[j + rows_ahead] * stride, ahead_bytes);
+    if (ahead_bytes > 0 && j + pass.rows_ahead < count) {
+      PrefetchRow(pass.value + pass.slots[j + pass.rows_ahead] * pass.stride,
+                  ahead_bytes);
     }
-    const Cache* v = value + slots[j] * stride + first;
+    const Cache* v = pass.value + pass.slots[j] * pass.stride + first;
     typename Floats::Vec loaded[kVectors];
     for (int i = 0; i < kVectors; ++i) {
       loaded[i] = Floats::Load(v + i * Floats::kLanes);
@@ -170,7 +182,8 @@ PADDLE_STEP_LOOP_INLINE void WeightedVectors(const float* weights,
   }
   for (int h = 0; h < kHeads; ++h) {
     for (int i = 0; i < kVectors; ++i) {
-      Floats::Store(o + h * head_dim + first + i * Floats::kLanes, sum[h][i]);
+      Floats::Store(o + h * pass.head_dim + first + i * Floats::kLanes,
+                    sum[h][i]);
     }
   }
 }
@@ -178,38 +191,23 @@ PADDLE_STEP_LOOP_INLINE void WeightedVectors(const float* weights,
 // WeightedVectors for `heads` (1 .. kMaxHeads) heads.
 template <typename Floats, int kVectors, int kMaxHeads, typename Cache>
 PADDLE_STEP_LOOP_INLINE void WeightedVectorsOf(int64_t heads,
-                                               const float* weights,
-                                               const Cache* value,
-                                               const int64_t* slots,
-                                               int64_t count, int64_t stride,
-                                               int64_t first, float* o,
-                                               int64_t head_dim,
-                                               int64_t ahead_bytes,
-                                               int64_t rows_ahead) {
+                                               const ValuePass<Cache>& pass,
+                                               const float* weights, float* o,
+                                               int64_t first,
+                                               int64_t ahead_bytes) {
   static_assert(kMaxHeads == 2 || kMaxHeads == 4);
-  switch (heads) {
-    case 1:
-      return WeightedVectors<Floats, kVectors, 1>(
-          weights, value, slots, count, stride, first, o, head_dim,
-          ahead_bytes, rows_ahead);
-    case 2:
-      return WeightedVectors<Floats, kVectors, 2>(
-          weights, value, slots, count, stride, first, o, head_dim,
-          ahead_bytes, rows_ahead);
-    case 3:
-      if constexpr (kMaxHeads == 4) {
-        return WeightedVectors<Floats, kVectors, 3>(
-            weights, value, slots, count, stride, first, o, head_dim,
-            ahead_bytes, rows_ahead);
-      }
-      break;
-    default:
-      if constexpr (kMaxHeads == 4) {
-        return WeightedVectors<Floats, kVectors, 4>(
-            weights, value, slots, count, stride, first, o, head_dim,
-            ahead_bytes, rows_ahead);
-      }
-      break;
+  if (heads == 1) {
+    WeightedVectors<Floats, kVectors, 1>(pass, weights, o, first, ahead_bytes);
+  } else if (heads == 2) {
+    WeightedVectors<Floats, kVectors, 2>(pass, weights, o, first, ahead_bytes);
+  } else if constexpr (kMaxHeads == 4) {
+    if (heads == 3) {
+      WeightedVectors<Floats, kVectors, 3>(pass, weights, o, first,
+                                           ahead_bytes);
+    } else {
+      WeightedVectors<Floats, kVectors, 4>(pass, weights, o, first,
+                                           ahead_bytes);
+    }
   }
 }
 
@@ -416,41 +414,38 @@ PADDLE_STEP_LOOP_INLINE void AttendRows(
   const int64_t kv_bytes = head_dim * static_cast<int64_t>(sizeof(Cache));
   const int64_t rows_ahead = kRowsAhead * (heads / group);
   for (int64_t g = 0; g < heads / group; ++g) {
-    const Cache* v = value + g * head_dim;
+    const ValuePass<Cache> pass{value + g * head_dim, slots, count, stride,
+                                head_dim, rows_ahead};
     for (int64_t j = 0; j < std::min(count, rows_ahead); ++j) {
-      PrefetchRow(v + slots[j] * stride, kv_bytes);
+      PrefetchRow(pass.value + slots[j] * stride, kv_bytes);
     }
     int64_t ahead = kv_bytes;
     for (int64_t h = g * group; h < (g + 1) * group;) {
       const T* weights = scores + h * count;
       T* o = out + h * head_dim;
       int64_t d = 0;
+      int64_t run = 1;
       if constexpr (std::is_same_v<T, float>) {
         constexpr int64_t kLanes = Floats::kLanes;
         // Accumulators of 4 heads fill 16 of AVX-512's 32 registers; AVX2
         // has 16: 2 heads.
         constexpr int kMaxHeads = kLanes >= 16 ? 4 : 2;
-        const int64_t run = std::min<int64_t>(kMaxHeads, (g + 1) * group - h);
+        run = std::min<int64_t>(kMaxHeads, (g + 1) * group - h);
         for (; d + 4 * kLanes <= head_dim; d += 4 * kLanes, ahead = 0) {
-          WeightedVectorsOf<Floats, 4, kMaxHeads>(run, weights, v, slots, count,
-                                                  stride, d, o, head_dim,
-                                                  ahead, rows_ahead);
+          WeightedVectorsOf<Floats, 4, kMaxHeads>(run, pass, weights, o, d,
+                                                  ahead);
         }
         for (; d + kLanes <= head_dim; d += kLanes, ahead = 0) {
-          WeightedVectorsOf<Floats, 1, kMaxHeads>(run, weights, v, slots, count,
-                                                  stride, d, o, head_dim,
-                                                  ahead, rows_ahead);
+          WeightedVectorsOf<Floats, 1, kMaxHeads>(run, pass, weights, o, d,
+                                                  ahead);
         }
-        // The run's last dims (head_dim % kLanes), one head at a time.
-        for (int64_t r = 0; r < run; ++r) {
-          LastDims(weights + r * count, v, slots, count, stride, d, head_dim,
-                   o + r * head_dim);
-        }
-        h += run;
-      } else {
-        LastDims(weights, v, slots, count, stride, d, head_dim, o);
-        ++h;
       }
+      // The run's last dims (all of float64's), one head at a time.
+      for (int64_t r = 0; r < run; ++r) {
+        LastDims(weights + r * count, pass.value, slots, count, stride, d,
+                 head_dim, o + r * head_dim);
+      }
+      h += run;
     }
   }
 }
