@@ -43,6 +43,7 @@ from ..spec.check_state import StateError
 from ..tokenizer.byte import ByteTokenizer
 from .block_allocator import EncoderBlockAllocator
 from .cpu_threads import default_threads, one_math_thread, set_compute_threads
+from .host_memory import keep_freed_memory
 from .model_runner import ModelRunner
 from .outputs import GenerationResult, GenerationStats, StepOutcome, StepToken, TokenLogprobs
 from .request import Request
@@ -99,6 +100,8 @@ class Engine:
         self.eos_token_ids = tuple(int(token) for token in eos_token_ids)
         self.scheduler = Scheduler(config)
         self.runner = ModelRunner(model, config)
+        if self.runner.state.place.is_cpu_place():
+            keep_freed_memory()  # a step's buffers reuse the last step's pages
         self.stats = GenerationStats()
         # Every token the last step generated, for streaming; and the prompt logprobs of
         # the requests whose prompt it finished, when they asked, by request id.

@@ -1,0 +1,43 @@
+"""Keeps the host memory a step frees for the next step, where glibc's malloc serves it.
+
+glibc hands out blocks above a threshold (128 KiB, raised to the largest block freed, at
+most 32 MiB) with their own mmap and unmaps them on free, and gives back freed memory at
+the top of its heap beyond 128 KiB. A step allocates and frees its activations layer by
+layer (a prefill of 512 rows on Qwen2.5-0.5B's shape: a 20 MB gate/up product, a 10 MB
+activation), so each new buffer cost page faults and the kernel zeroing its pages: 12% of
+that prefill on one thread, 16% on two (AMD EPYC, Zen 5). Serving blocks up to 32 MiB
+from the heap and never trimming it keeps those pages mapped; the process then holds the
+high-water mark of its buffers instead of handing it back to the system.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+__all__ = ["keep_freed_memory"]
+
+# mallopt's parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+# The largest mmap threshold glibc accepts on 64-bit systems (HEAP_MAX_SIZE / 2).
+_LARGEST_HEAP_BLOCK = 32 << 20
+_NEVER_TRIM = 2**31 - 1  # mallopt takes an int
+
+
+def keep_freed_memory() -> bool:
+    """Sets glibc's malloc to serve blocks up to 32 MiB from its heap and never trim it.
+    Returns whether glibc took the settings (False where the C library is not glibc).
+    An allocator preloaded in malloc's place (tcmalloc, jemalloc) keeps freed memory by
+    its own rules, which these settings do not touch."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    libc = ctypes.CDLL(name)
+    if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
+        return False
+    # mallopt returns 1 on success; setting either threshold ends glibc's adjusting them.
+    return bool(
+        libc.mallopt(_M_MMAP_THRESHOLD, _LARGEST_HEAP_BLOCK)
+        and libc.mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM)
+    )
