@@ -13,7 +13,7 @@ high-water mark of its buffers instead of handing it back to the system.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 
 __all__ = ["keep_freed_memory"]
 
@@ -25,15 +25,13 @@ _LARGEST_HEAP_BLOCK = 32 << 20
 _NEVER_TRIM = 2**31 - 1  # mallopt takes an int
 
 
+@functools.cache
 def keep_freed_memory() -> bool:
-    """Sets glibc's malloc to serve blocks up to 32 MiB from its heap and never trim it.
-    Returns whether glibc took the settings (False where the C library is not glibc).
-    An allocator preloaded in malloc's place (tcmalloc, jemalloc) keeps freed memory by
-    its own rules, which these settings do not touch."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    libc = ctypes.CDLL(name)
+    """Sets glibc's malloc to serve blocks up to 32 MiB from its heap and never trim it,
+    once per process. Returns whether glibc took the settings (False where the C library
+    is not glibc). An allocator preloaded in malloc's place (tcmalloc, jemalloc) keeps
+    freed memory by its own rules, which these settings do not touch."""
+    libc = ctypes.CDLL(None)  # the symbols the process has loaded: the C library's
     if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
         return False
     # mallopt returns 1 on success; setting either threshold ends glibc's adjusting them.
