@@ -35,6 +35,7 @@ import numpy as np
 import paddle
 
 from ..config import EngineConfig
+from ..host_memory import keep_freed_memory
 from ..layers import prefetch_distance
 from ..layers.sampler import sample_key, sampling_key, token_logprobs
 from ..models.llama import LlamaForCausalLM
@@ -43,7 +44,6 @@ from ..spec.check_state import StateError
 from ..tokenizer.byte import ByteTokenizer
 from .block_allocator import EncoderBlockAllocator
 from .cpu_threads import default_threads, one_math_thread, set_compute_threads
-from .host_memory import keep_freed_memory
 from .model_runner import ModelRunner
 from .outputs import GenerationResult, GenerationStats, StepOutcome, StepToken, TokenLogprobs
 from .request import Request

@@ -19,7 +19,7 @@ FAULTS_OF_ROUNDS = textwrap.dedent(
     """
     import resource, sys
     if sys.argv[1] == "keep":
-        from paddle_step.engine.host_memory import keep_freed_memory
+        from paddle_step.host_memory import keep_freed_memory
         assert keep_freed_memory()
     MIB = 1 << 20
 
