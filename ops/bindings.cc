@@ -232,6 +232,8 @@ PYBIND11_MODULE(paddle_step_ops, module) {
       },
       pybind11::arg("x"), pybind11::arg("weights"), pybind11::arg("shape"),
       pybind11::arg("step"));
+  module.def("cpu_rms_norm", &paddle_step::CpuRmsNorm, pybind11::arg("x"),
+             pybind11::arg("weight"), pybind11::arg("eps"));
   module.def(
       "cpu_sample",
       [](const paddle::Tensor& logits, const paddle::Tensor& temperature,

@@ -59,10 +59,11 @@ void AddRows(float* x, const float* y, int64_t rows, int64_t width) {
 }
 
 void CheckFloatMatrix(const char* name, const paddle::Tensor& tensor,
-                      std::initializer_list<int64_t> shape) {
-  kCheck.Dtype(name, ViewOf(tensor), {paddle::DataType::FLOAT32});
-  kCheck.Shape(name, ViewOf(tensor), shape);
-  kCheck.DenseCpu(name, tensor);
+                      std::initializer_list<int64_t> shape,
+                      const InputChecker& check = kCheck) {
+  check.Dtype(name, ViewOf(tensor), {paddle::DataType::FLOAT32});
+  check.Shape(name, ViewOf(tensor), shape);
+  check.DenseCpu(name, tensor);
 }
 
 paddle::Tensor Product(const paddle::Tensor& x, const PackedLinear& linear) {
@@ -89,6 +90,23 @@ paddle::Tensor Columns(const paddle::Tensor& qkv, int64_t first, int64_t count,
 }
 
 }  // namespace
+
+paddle::Tensor CpuRmsNorm(const paddle::Tensor& x, const paddle::Tensor& weight,
+                          double eps) {
+  constexpr InputChecker kNormCheck("cpu_rms_norm");
+  kNormCheck.Dtype("x", ViewOf(x), {paddle::DataType::FLOAT32});
+  kNormCheck.Shape("x", ViewOf(x), {-1, -1});
+  const int64_t rows = x.dims()[0];
+  const int64_t width = x.dims()[1];
+  CheckFloatMatrix("weight", weight, {width}, kNormCheck);
+  auto out = paddle::empty({rows, width}, paddle::DataType::FLOAT32,
+                           paddle::CPUPlace());
+  if (rows == 0) return out;  // its strides may be anything
+  kNormCheck.DenseCpu("x", x);
+  RmsNormRows(x.data<float>(), weight.data<float>(), rows, width,
+              static_cast<float>(eps), out.data<float>());
+  return out;
+}
 
 paddle::Tensor CpuDecoderLayer(const paddle::Tensor& x,
                                const DecoderLayerWeights& weights,

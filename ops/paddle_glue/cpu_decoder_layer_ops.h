@@ -57,4 +57,10 @@ paddle::Tensor CpuDecoderLayer(const paddle::Tensor& x,
                                const DecoderLayerShape& shape,
                                const DecoderLayerStep& step);
 
+// RMSNorm of x float32 [T, width] times weight float32 [width], as a layer
+// normalizes (the same float32 operations in the same order): for the final
+// norm after the layers, one call where the eager expression is seven ops.
+paddle::Tensor CpuRmsNorm(const paddle::Tensor& x, const paddle::Tensor& weight,
+                          double eps);
+
 }  // namespace paddle_step

@@ -13,6 +13,7 @@ import pytest
 
 import paddle_step.layers.dense_blocks as dense_blocks
 from paddle_step.config import ModelConfig
+from paddle_step.layers import cpu_linear
 from paddle_step.layers.dense_blocks import model_blocks, onednn_available
 from paddle_step.layers.paged_attention import PagedKVCache, build_flat_batch
 from paddle_step.models.llama import LlamaForCausalLM
@@ -323,3 +324,48 @@ def test_explain_dense_prints_the_choices() -> None:
     assert {"attention_inputs", "output_and_mlp", "logits"} <= names
     assert names <= {"attention_inputs", "output_and_mlp", "logits", "layers"}
     assert all(" ms" in line and " -> " in line for line in lines)
+
+
+@pytest.mark.parametrize("rows, width", [(0, 8), (1, 1), (1, 512), (5, 7), (33, 131), (2, 896)])
+def test_op_rms_norm_is_rms_norm_in_float32(rows: int, width: int) -> None:
+    rng = np.random.default_rng(rows * 1000 + width)
+    x = rng.standard_normal((rows, width)).astype(np.float32)
+    weight = rng.standard_normal(width).astype(np.float32)
+    out = dense_blocks.op_rms_norm(paddle.to_tensor(x), paddle.to_tensor(weight), 1e-5).numpy()
+    x64 = x.astype(np.float64)
+    expected = x64 / np.sqrt((x64 * x64).mean(axis=-1, keepdims=True) + 1e-5) * weight
+    assert out.shape == (rows, width) and out.dtype == np.float32
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "x, weight, message",
+    [
+        (paddle.ones([2, 4], "float64"), paddle.ones([4]), "'x': expected dtype float32"),
+        (paddle.ones([8]), paddle.ones([8]), r"'x': expected shape \[-1, -1\], got shape \[8\]"),
+        (paddle.ones([2, 4]), paddle.ones([5]), r"'weight': expected shape \[4\], got shape \[5\]"),
+    ],
+)
+def test_op_rms_norm_names_a_bad_argument(x, weight, message: str) -> None:
+    with pytest.raises(ValueError, match="cpu_rms_norm: argument " + message):
+        dense_blocks.op_rms_norm(x, weight, 1e-6)
+
+
+@pytest.mark.parametrize("config", [BIASED_TIED, PLAIN], ids=["biased-tied", "plain"])
+def test_logits_take_the_norm_of_their_way(config: ModelConfig) -> None:
+    # The op's ways normalize with the op, eager and compiled with the eager expression.
+    model = LlamaForCausalLM(config)
+    hidden, weight, head = block_arguments(model, 3, np.random.default_rng(8))["logits"]
+    eps, block = config.rms_eps, model.blocks.logits
+    with paddle.no_grad():
+        op_normed = dense_blocks.op_rms_norm(hidden, weight, eps)
+        eager_normed = dense_blocks.rms_norm(hidden, weight, eps)
+        assert not np.array_equal(op_normed.numpy(), eager_normed.numpy())  # they round apart
+        tied = config.tie_word_embeddings
+        expected = {
+            "op": cpu_linear.linear(op_normed, head.packed),
+            "eager": paddle.matmul(eager_normed, head.tensor, transpose_y=tied),
+        }
+        for way, logits in expected.items():
+            got = block.run(way, hidden, weight, head)
+            np.testing.assert_array_equal(got.numpy(), logits.numpy())
