@@ -28,7 +28,7 @@ from ..sampling_params import unpack_token_mask
 from .outputs import StepOutcome
 from .request import MAX_LOGIT_BIAS, MAX_STOP_IDS, Request
 from .scheduler import PrefillChunk, SamplingPlan
-from .slot_state import ShareInputs
+from .slot_state import ShareInputs, host_array
 
 __all__ = ["ModelRunner"]
 
@@ -321,7 +321,11 @@ class ModelRunner:
         """``step_paddle``: frees finished slots' decoder blocks, gives every decoding slot
         the block it writes next, preempts when the pool runs short, recovers."""
         state = self.state
-        state.recover_block_list.fill_(-1)  # so this call's recoveries can be counted
+        # So this call's recoveries can be counted.
+        if state.on_host:
+            host_array(state.recover_block_list).fill(-1)
+        else:
+            state.recover_block_list.fill_(-1)
         step_paddle(
             *state.step_tensors().values(), self.config.block_size, self.config.enc_dec_block_num
         )
@@ -329,12 +333,23 @@ class ModelRunner:
     def advance_decode_inputs(self) -> None:
         """Next step's decode token, position and slot for every running, non-prefill slot."""
         state = self.state
-        paddle.assign(
-            paddle.logical_and(paddle.logical_not(state.stop_flags), state.seq_lens_encoder == 0),
-            output=state.decode_active,
-        )
-        # A copy, so positions start at the next write position; it ends as context length.
-        paddle.assign(state.seq_lens_decoder, output=state.context_lens)
+        # context_lens: a copy, so positions start at the next write position; it ends as
+        # the context length.
+        if state.on_host:
+            np.logical_and(
+                ~host_array(state.stop_flags),
+                host_array(state.seq_lens_encoder) == 0,
+                out=host_array(state.decode_active),
+            )
+            host_array(state.context_lens)[:] = host_array(state.seq_lens_decoder)
+        else:
+            paddle.assign(
+                paddle.logical_and(
+                    paddle.logical_not(state.stop_flags), state.seq_lens_encoder == 0
+                ),
+                output=state.decode_active,
+            )
+            paddle.assign(state.seq_lens_decoder, output=state.context_lens)
         batch = self.config.max_batch
         advance_step(
             state.input_tokens,

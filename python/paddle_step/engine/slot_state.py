@@ -22,7 +22,7 @@ from ..spec.check_state import check_state
 from ..spec.tensor_table import STEP_PADDLE_TENSORS
 from .request import MAX_LOGIT_BIAS, MAX_STOP_IDS
 
-__all__ = ["ShareInputs"]
+__all__ = ["ShareInputs", "host_array"]
 
 
 class ShareInputs:
@@ -45,6 +45,7 @@ class ShareInputs:
     A fresh state has every slot stopped and empty, and the whole decoder pool in
     ``free_list``: the top block ids, descending, as FastDeploy builds it. The tensors
     live on ``place`` (default: Paddle's current device), kept as the ``place`` attribute.
+    ``on_host``: they are CPU tensors that ``host_array`` can read and write in place.
     """
 
     def __init__(
@@ -108,6 +109,7 @@ class ShareInputs:
         self.slot_mapping = per_slot(-1, np.int64)
         self.decode_active = per_slot(False, np.bool_)
         self.place = self.stop_flags.place
+        self.on_host = self.place.is_cpu_place() and hasattr(self.stop_flags, "__dlpack__")
 
     def step_tensors(self) -> dict[str, paddle.Tensor]:
         """``step_paddle``'s 22 tensors by name, in its argument order."""
@@ -126,3 +128,11 @@ class ShareInputs:
             decoder_blocks=range(config.num_encoder_blocks, config.num_kv_blocks),
             shared_prompt_blocks=range(config.num_encoder_blocks),
         )
+
+
+def host_array(tensor: paddle.Tensor) -> np.ndarray:
+    """``tensor``'s own memory as a NumPy array, read and written in place: a CPU tensor of
+    a paddle that exports DLPack (3.x; ``ShareInputs.on_host``). A few NumPy operations on
+    a step's [B] vectors take a microsecond each, where each eager Paddle op, run cold after
+    the weights have streamed through the caches, takes ten or more."""
+    return np.from_dlpack(tensor)

@@ -366,21 +366,27 @@ class LlamaForCausalLM(nn.Layer):
         if config.rope_scaling is not None:
             inv_freq = config.rope_scaling.scale(inv_freq)
         self.inv_freq = paddle.to_tensor(inv_freq.astype(config.dtype))  # [head_dim / 2]
-        self._rope_table: tuple[paddle.Tensor, paddle.Tensor] | None = None  # CPU: _rope
+        self._rope_table: tuple[paddle.Tensor, ...] | None = None  # CPU: _rope
         for param in self.parameters():
             param.stop_gradient = True
 
-    def _rope(self, positions: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+    def _rope(
+        self, positions: paddle.Tensor, flat: bool = False
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
         """cos and sin [T, 1, head_dim] of the tokens at ``positions`` [T] (rotate-half
-        layout, broadcast over heads). On the CPU, rows of a table of every position up to
-        the largest seen (two gathers a step instead of six ops)."""
+        layout, broadcast over heads); with ``flat``, [T, head_dim]. On the CPU, rows of a
+        table of every position up to the largest seen, kept in both shapes (two gathers a
+        step instead of six ops, and no reshape)."""
         if not positions.place.is_cpu_place():
-            return self._rope_of(positions)
+            rope = self._rope_of(positions)
+            return tuple(t.reshape([-1, self.config.head_dim]) for t in rope) if flat else rope
         needed = int(positions.numpy().max(initial=0)) + 1
         if self._rope_table is None or self._rope_table[0].shape[0] < needed:
             size = 1 << (needed - 1).bit_length()  # doubling: a few rebuilds in all
-            self._rope_table = self._rope_of(paddle.arange(size, dtype="int64"))
-        cos, sin = self._rope_table
+            cos, sin = self._rope_of(paddle.arange(size, dtype="int64"))
+            flat_shape = [size, self.config.head_dim]
+            self._rope_table = (cos, sin, cos.reshape(flat_shape), sin.reshape(flat_shape))
+        cos, sin = self._rope_table[2:] if flat else self._rope_table[:2]
         return paddle.gather(cos, positions), paddle.gather(sin, positions)
 
     def _rope_of(self, positions: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
@@ -404,9 +410,7 @@ class LlamaForCausalLM(nn.Layer):
             x = paddle.gather(self.embed, input_ids)
         else:
             x = cpu_linear.columns(self._embedding.packed, input_ids)
-        rope = self._rope(positions)
-        if fused is not None:  # the op takes [T, head_dim]: reshaped once, not per layer
-            rope = tuple(t.reshape([-1, self.config.head_dim]) for t in rope)
+        rope = self._rope(positions, flat=fused is not None)  # the op takes [T, head_dim]
         for index, layer in enumerate(self.layers):
             if fused is not None:
                 x = layer.forward_fused(x, rope, index, fused)
