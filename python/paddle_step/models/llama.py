@@ -18,6 +18,7 @@ Typical engine step, from FastDeploy-style slot-indexed state::
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
@@ -577,9 +578,12 @@ class LlamaForCausalLM(nn.Layer):
         """
         tokens = positions.shape[0]
 
+        @functools.cache
+        def layout() -> PrefillLayout:  # built at most once a step
+            return PrefillLayout(positions.numpy(), token_rows.numpy())
+
         def every_token_decodes() -> bool:
-            layout = PrefillLayout(positions.numpy(), token_rows.numpy())
-            return layout.decode_tokens.size == tokens
+            return layout().decode_tokens.size == tokens
 
         fuse = (
             kv_cache.uses_cpu_ops
@@ -595,9 +599,8 @@ class LlamaForCausalLM(nn.Layer):
             return self._run_layers(input_ids, positions, None, step)
 
         def blocks() -> paddle.Tensor:
-            layout = PrefillLayout(positions.numpy(), token_rows.numpy())
             return self._hidden_through_blocks(
-                layout, input_ids, positions, slot_mapping, token_rows, block_tables,
+                layout(), input_ids, positions, slot_mapping, token_rows, block_tables,
                 max_context_len, kv_cache,
             )  # fmt: skip
 
