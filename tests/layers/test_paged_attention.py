@@ -33,6 +33,19 @@ def test_build_flat_batch_positions_and_slots(on_host: bool) -> None:
         )
 
 
+@pytest.mark.parametrize("vector_shape", [[4], [4, 1]])
+def test_build_flat_batch_names_a_batch_size_that_differs(vector_shape: list[int]) -> None:
+    input_ids, lens, starts = slot_state(rows=[[1], [2], [3]], starts=[0, 1, 2], width=2)
+    tables = paddle.zeros([3, 2], dtype="int32")
+    other = paddle.zeros(vector_shape, dtype="int32")  # 4 slots where the others have 3
+    message = "same batch size, got 3, 3, 4 and 3"
+    with pytest.raises(ValueError, match=message):
+        build_flat_batch(input_ids, lens, other, tables, 2)
+    assert build_flat_batch(input_ids, lens.reshape([3, 1]), starts, tables, 2)[
+        "positions"
+    ].tolist() == [0, 1, 2]
+
+
 @pytest.mark.parametrize("decode_rows", ["none", "some", "only", "every"])
 def test_build_flat_batch_on_host_equals_the_paddle_ops(decode_rows: str) -> None:
     # "only": every row with a token decodes it, some rows idle; "every": the full-batch
