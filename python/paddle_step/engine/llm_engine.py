@@ -43,7 +43,7 @@ from ..sampling_params import SamplingParams
 from ..spec.check_state import StateError
 from ..tokenizer.byte import ByteTokenizer
 from .block_allocator import EncoderBlockAllocator
-from .cpu_threads import default_threads, one_math_thread, set_compute_threads
+from .cpu_threads import default_threads, set_compute_threads
 from .model_runner import ModelRunner
 from .outputs import GenerationResult, GenerationStats, StepOutcome, StepToken, TokenLogprobs
 from .request import Request
@@ -248,9 +248,7 @@ class Engine:
                 self._record_prompt_logprobs(targets, prompt_logits)
             self._finish_prompt_logprobs(plan.chunks)
             sampling = scheduler.sampling_plan(self.model.config.vocab_size, plan.unsampled_slots)
-            # The sampler's ops are [batch, vocab]: too small for the compute threads.
-            with one_math_thread(self.threads):
-                tokens, logprobs = runner.sample(logits, self._uniforms(), sampling)
+            tokens, logprobs = runner.sample(logits, self._uniforms(), sampling, self.threads)
             runner.update_inputs(running, ran, tokens)
         else:
             tokens = paddle.zeros_like(runner.state.next_tokens)

@@ -25,6 +25,7 @@ from ..layers.sampler import (
 from ..models.llama import LlamaForCausalLM
 from ..ops import advance_step, step_paddle
 from ..sampling_params import unpack_token_mask
+from .cpu_threads import one_math_thread
 from .outputs import StepOutcome
 from .request import MAX_LOGIT_BIAS, MAX_STOP_IDS, Request
 from .scheduler import PrefillChunk, SamplingPlan
@@ -177,14 +178,27 @@ class ModelRunner:
         return paddle.to_tensor(draws, place=self.state.place)
 
     def sample(
-        self, logits: paddle.Tensor, uniforms: paddle.Tensor | None, plan: SamplingPlan
+        self,
+        logits: paddle.Tensor,
+        uniforms: paddle.Tensor | None,
+        plan: SamplingPlan,
+        math_threads: int,
     ) -> tuple[paddle.Tensor, tuple | None]:
         """One token per slot, with each slot's sampling controls; and, when ``plan``
         asks, ``token_logprobs`` of the raw logits (before any control). Float32 logits
-        on the CPU take the fused CPU op; others the paddle ops."""
-        state = self.state
+        on the CPU take the fused CPU op (on the products' pool); others the paddle ops,
+        on one of Paddle's math threads (``math_threads`` after)."""
         if cpu_sampling.supports(logits):
             return self._sample_on_cpu(logits, uniforms, plan)
+        # The ops are [batch, vocab]: too small for the compute threads.
+        with one_math_thread(math_threads):
+            return self._sample_eager(logits, uniforms, plan)
+
+    def _sample_eager(
+        self, logits: paddle.Tensor, uniforms: paddle.Tensor | None, plan: SamplingPlan
+    ) -> tuple[paddle.Tensor, tuple | None]:
+        """``sample`` as paddle ops."""
+        state = self.state
         if plan.is_plain:  # the greedy / temperature-only batch: nothing else to do
             return sample_tokens(logits, state.temperature, state.top_p, uniforms), None
         controls = self._controls(plan)
