@@ -154,7 +154,9 @@ class ModelRunner:
             decode_inputs=decode_inputs,
         )
         last = batch["last_token_index"].numpy()
-        every_slot = bool((last >= 0).all())  # the common decode step: no gather, no scatter
+        # The common decode step: no gather, no scatter (tested in plain Python: a NumPy
+        # test after the previous step's weights runs cold).
+        every_slot = min(last.tolist(), default=0) >= 0
         if not every_slot:
             slots = paddle.to_tensor(np.flatnonzero(last >= 0))
             batch["last_token_index"] = paddle.to_tensor(last[last >= 0])

@@ -381,7 +381,7 @@ class LlamaForCausalLM(nn.Layer):
         if not positions.place.is_cpu_place():
             rope = self._rope_of(positions)
             return tuple(t.reshape([-1, self.config.head_dim]) for t in rope) if flat else rope
-        needed = int(positions.numpy().max(initial=0)) + 1
+        needed = max([0, *positions.numpy().tolist()]) + 1  # Python: see _logits_of
         if self._rope_table is None or self._rope_table[0].shape[0] < needed:
             size = 1 << (needed - 1).bit_length()  # doubling: a few rebuilds in all
             cos, sin = self._rope_of(paddle.arange(size, dtype="int64"))
@@ -589,7 +589,7 @@ class LlamaForCausalLM(nn.Layer):
             kv_cache.uses_cpu_ops
             and self.config.dtype == "float32"
             # Prompt tokens attend through the cache too: each must have its slot.
-            and (bool((slot_mapping.numpy() >= 0).all()) or every_token_decodes())
+            and (min(slot_mapping.numpy().tolist(), default=0) >= 0 or every_token_decodes())
             and self.fusion.fuse_layers(tokens)
         )
 
@@ -714,16 +714,18 @@ class LlamaForCausalLM(nn.Layer):
         extra_index: paddle.Tensor | None,
     ) -> paddle.Tensor | tuple[paddle.Tensor, paddle.Tensor]:
         """``forward_paged``'s result from the hidden states of its tokens."""
-        # The index is read on the host: a NumPy test costs a tenth of Paddle's compare, any
-        # and sync. A decode step at full batch wants every token's logits, in order.
-        index = last_token_index.numpy()
-        if index.size == hidden.shape[0] and (index == np.arange(index.size)).all():
+        # The index is read on the host and tested in plain Python: after the layers'
+        # weights have streamed through the caches, a Paddle compare, any and sync, or even
+        # a NumPy one, runs cold. A decode step at full batch wants every token's logits,
+        # in order.
+        index = last_token_index.numpy().tolist()
+        if index == list(range(hidden.shape[0])):
             last_hidden = hidden
         else:
             last_hidden = paddle.gather(hidden, paddle.clip(last_token_index, min=0))
         logits = self._logits(last_hidden)
         # [R, vocab] of zeros and a select only when asked for.
-        if (index < 0).any():
+        if min(index, default=0) < 0:
             no_token = (last_token_index < 0).unsqueeze(1)
             logits = paddle.where(no_token, paddle.zeros_like(logits), logits)
         if extra_index is None:
