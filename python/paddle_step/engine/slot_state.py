@@ -132,7 +132,8 @@ class ShareInputs:
 
 def host_array(tensor: paddle.Tensor) -> np.ndarray:
     """``tensor``'s own memory as a NumPy array, read and written in place: a CPU tensor of
-    a paddle that exports DLPack (3.x; ``ShareInputs.on_host``). A few NumPy operations on
-    a step's [B] vectors take a microsecond each, where each eager Paddle op, run cold after
-    the weights have streamed through the caches, takes ten or more."""
+    a paddle that exports DLPack (3.x; ``ShareInputs.on_host``). The step's updates of its
+    [B] vectors run as NumPy operations on these instead of eager Paddle ops, each of which
+    runs cold (~27 us) right after the weights have streamed through the caches
+    (docs/performance-cpu.md)."""
     return np.from_dlpack(tensor)
