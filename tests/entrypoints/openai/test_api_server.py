@@ -192,7 +192,15 @@ def test_stop_string_and_seeded_sampling(served, offline):
 
 
 BAD_REQUESTS = [
-    ("malformed JSON", b"{not json", "malformed JSON"),
+    ("malformed JSON", b"{not json", "malformed JSON body at character 1"),
+    ("empty body", b"", "got an empty body"),
+    ("a JSON list", b"[1, 2]", "expected a JSON object body, got a list"),
+    ("JSON null", b"null", "expected a JSON object body, got null"),
+    (
+        "curl -d's form type",
+        (b'{"prompt": "hi"}', "application/x-www-form-urlencoded"),
+        "Content-Type application/json, got Content-Type 'application/x-www-form-urlencoded'",
+    ),
     ("wrong type", {"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
     ("max_tokens < 1", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("too long", {"prompt": "hi " * 40, "max_tokens": 60}, "context"),
@@ -214,15 +222,18 @@ def test_bad_requests_get_400_and_server_keeps_serving(served, what, body, messa
             f"{base_url}/v1/completions", json={"model": "llama-tiny", **body}, timeout=30
         )
     else:
+        content, content_type = body if isinstance(body, tuple) else (body, "application/json")
         response = httpx.post(
             f"{base_url}/v1/completions",
-            content=body,
-            headers={"content-type": "application/json"},
+            content=content,
+            headers={"content-type": content_type},
             timeout=30,
         )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert message in error["message"] and error["type"] and error["code"] == 400
+    if not isinstance(body, dict):  # the body as a whole, no field to name
+        assert error["param"] is None
     good = httpx.post(
         f"{base_url}/v1/completions",
         json={"model": "llama-tiny", "prompt": "hi", "max_tokens": 2},

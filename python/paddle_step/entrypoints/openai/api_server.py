@@ -35,7 +35,7 @@ from .guard import RequestGuard
 from .logprobs import LogprobFormatter
 from .metrics import metrics_registry
 from .openapi import install_openapi
-from .protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, whole_body_refusal
 from .text_stream import TextStream
 
 __all__ = ["create_app"]
@@ -96,12 +96,19 @@ def create_app(
         return JSONResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_request: Request, error: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0]
         where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
         message = f"'{where}': {first.get('msg')}" if where else first.get("msg", "bad request")
         if first.get("type") == "json_invalid":
-            message = f"malformed JSON body: {first.get('ctx', {}).get('error', message)}"
+            # loc is ("body", character offset): the offset is not a field
+            where = None
+            message = (
+                f"malformed JSON body at character {first['loc'][-1]}: "
+                f"{first.get('ctx', {}).get('error', message)}"
+            )
+        elif not where and not isinstance(error.body, dict):
+            message = whole_body_refusal(request.headers.get("content-type", ""), first, error.body)
         return JSONResponse(ApiError(message, param=where or None).body(), status_code=400)
 
     @app.exception_handler(HTTPException)

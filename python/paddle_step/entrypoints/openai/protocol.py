@@ -103,6 +103,21 @@ def _shown(value) -> str:
     return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
 
 
+def whole_body_refusal(content_type: str, error: dict, body: Any) -> str:
+    """The message for a request whose body as a whole is not a JSON object (``error``:
+    FastAPI's first validation error, ``body``: what it parsed, if anything). FastAPI
+    parses JSON only under a JSON content type, and curl's ``-d`` sends a form's."""
+    media_type = content_type.split(";")[0].strip().lower()
+    if media_type and media_type != "application/json" and not media_type.endswith("+json"):
+        return (
+            "expected a JSON object body with Content-Type application/json, "
+            f"got Content-Type {content_type!r}"
+        )
+    if error.get("type") == "missing":
+        return "expected a JSON object body, got an empty body"
+    return f"expected a JSON object body, got {_shown(body)}"
+
+
 def _is_token_id(value) -> bool:
     return _json_kind(value) == "number" and float(value).is_integer()
 
