@@ -9,14 +9,19 @@ import paddle
 import pytest
 
 from paddle_step.config import EngineConfig, ModelConfig
+from paddle_step.engine.llm_engine import Engine
 from paddle_step.engine.model_runner import ModelRunner
 from paddle_step.engine.slot_state import host_array
 from paddle_step.models.llama import LlamaForCausalLM
+from paddle_step.sampling_params import SamplingParams
 
 BATCH, WIDTH, BLOCK_SIZE = 7, 24, 4
 EXPORTS_DLPACK = hasattr(paddle.zeros([1]), "__dlpack__")
+WRITABLE_VIEWS = EXPORTS_DLPACK and np.from_dlpack(paddle.zeros([1])).flags.writeable
 needs_dlpack = pytest.mark.skipif(
-    not EXPORTS_DLPACK, reason=f"paddle {paddle.__version__} exports no DLPack from a tensor"
+    not WRITABLE_VIEWS,
+    reason=f"paddle {paddle.__version__} exports no DLPack from a tensor, or NumPy "
+    f"{np.__version__} imports it read-only",
 )
 # What advance_decode_inputs writes.
 ADVANCED = ("decode_active", "context_lens", "input_tokens", "input_positions", "slot_mapping")
@@ -41,7 +46,26 @@ def test_host_array_is_the_tensors_memory(dtype: str) -> None:
 
 def test_on_host_only_where_the_views_work(model) -> None:
     runner = ModelRunner(model, small_config())
-    assert runner.state.on_host == (runner.state.place.is_cpu_place() and EXPORTS_DLPACK)
+    assert runner.state.on_host == (runner.state.place.is_cpu_place() and WRITABLE_VIEWS)
+
+
+def test_a_numpy_that_imports_dlpack_read_only_gets_the_eager_ops(model, monkeypatch) -> None:
+    """NumPy 1.26 (PaddleFormers installs it) gives read-only DLPack arrays: the engine
+    must not write through them (it did: ValueError in schedule_blocks)."""
+    from_dlpack = np.from_dlpack
+
+    def read_only(tensor):
+        array = from_dlpack(tensor)
+        array.flags.writeable = False
+        return array
+
+    monkeypatch.setattr(np, "from_dlpack", read_only)
+    config = EngineConfig(max_batch=2, max_model_len=WIDTH, block_size=BLOCK_SIZE,
+                          num_kv_blocks=64)  # fmt: skip
+    engine = Engine(model, config)
+    assert not engine.runner.state.on_host
+    results = engine.generate([[3, 4, 5], [6, 7]], SamplingParams(max_tokens=4))
+    assert [len(result.token_ids) for result in results] == [4, 4]
 
 
 def small_config() -> EngineConfig:

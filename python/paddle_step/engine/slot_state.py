@@ -45,7 +45,8 @@ class ShareInputs:
     A fresh state has every slot stopped and empty, and the whole decoder pool in
     ``free_list``: the top block ids, descending, as FastDeploy builds it. The tensors
     live on ``place`` (default: Paddle's current device), kept as the ``place`` attribute.
-    ``on_host``: they are CPU tensors that ``host_array`` can read and write in place.
+    ``on_host``: they are CPU tensors that ``host_array`` can read and write in place
+    (paddle exports DLPack and NumPy imports it writable: NumPy 1.26 imports it read-only).
     """
 
     def __init__(
@@ -109,7 +110,7 @@ class ShareInputs:
         self.slot_mapping = per_slot(-1, np.int64)
         self.decode_active = per_slot(False, np.bool_)
         self.place = self.stop_flags.place
-        self.on_host = self.place.is_cpu_place() and hasattr(self.stop_flags, "__dlpack__")
+        self.on_host = self.place.is_cpu_place() and _writes_through_dlpack(self.stop_flags)
 
     def step_tensors(self) -> dict[str, paddle.Tensor]:
         """``step_paddle``'s 22 tensors by name, in its argument order."""
@@ -130,10 +131,16 @@ class ShareInputs:
         )
 
 
+def _writes_through_dlpack(tensor: paddle.Tensor) -> bool:
+    """Whether ``host_array(tensor)`` gives a writable view: paddle 2.6 exports no DLPack,
+    and NumPy 1.26 (which PaddleFormers installs) imports DLPack arrays read-only."""
+    return hasattr(tensor, "__dlpack__") and np.from_dlpack(tensor).flags.writeable
+
+
 def host_array(tensor: paddle.Tensor) -> np.ndarray:
     """``tensor``'s own memory as a NumPy array, read and written in place: a CPU tensor of
-    a paddle that exports DLPack (3.x; ``ShareInputs.on_host``). The step's updates of its
-    [B] vectors run as NumPy operations on these instead of eager Paddle ops, each of which
-    runs cold (~27 us) right after the weights have streamed through the caches
-    (docs/performance-cpu.md)."""
+    a paddle that exports DLPack, under a NumPy that imports it writable
+    (``ShareInputs.on_host``). The step's updates of its [B] vectors run as NumPy
+    operations on these instead of eager Paddle ops, each of which runs cold (~27 us) right
+    after the weights have streamed through the caches (docs/performance-cpu.md)."""
     return np.from_dlpack(tensor)
