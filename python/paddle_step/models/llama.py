@@ -159,6 +159,7 @@ class DecoderLayer(nn.Layer):
         self.w_up = linear("w_up", hidden, config.intermediate_size)
         self.w_down = linear("w_down", config.intermediate_size, hidden)
         self._dense = None
+        self._fused_arguments: dict[str, tuple] = {}  # by the op's path, see forward_fused
         if config.weight_format is not None:
             self._dense = self._packed_weights(config.weight_format)
 
@@ -232,21 +233,24 @@ class DecoderLayer(nn.Layer):
         through each token's block-table row (a token at position p sees the cache's keys
         0..p, its own step's among them): for a float32 model whose cache ``uses_cpu_ops``
         (float32 or bfloat16) and ``LayerFusion.fuse_layers``."""
+        weights_and_shape = self._fused_arguments.get(step.isa)
+        if weights_and_shape is None:  # the same every step: built once, not per call
+            weights_and_shape = self._fused_arguments[step.isa] = self._fused_weights(step.isa)
+        cache = step.kv_cache.view(index, step.block_tables, step.rows, step.positions)
+        return paddle_step_ops.cpu_decoder_layer(x, *weights_and_shape, (*rope, step.slots, cache))
+
+    def _fused_weights(self, isa: str) -> tuple[tuple, tuple]:
+        """``cpu_decoder_layer``'s weights (the products on path ``isa``) and shape."""
         w_qkv, qkv_bias, w_o, w_gate_up, w_down = self._dense_weights()
         cfg = self.config
 
         def product(weight: DenseWeight, bias: paddle.Tensor | None = None) -> tuple:
             packed = weight.packed
-            return (packed.weights, packed.scales, bias, packed.n, packed.group_size, step.isa)
+            return (packed.weights, packed.scales, bias, packed.n, packed.group_size, isa)
 
-        cache = step.kv_cache.view(index, step.block_tables, step.rows, step.positions)
-        return paddle_step_ops.cpu_decoder_layer(
-            x,
-            (self.attn_norm.weight, product(w_qkv, qkv_bias), product(w_o, self.o_bias),
-             self.mlp_norm.weight, product(w_gate_up), product(w_down)),
-            (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps),
-            (*rope, step.slots, cache),
-        )  # fmt: skip
+        weights = (self.attn_norm.weight, product(w_qkv, qkv_bias), product(w_o, self.o_bias),
+                   self.mlp_norm.weight, product(w_gate_up), product(w_down))  # fmt: skip
+        return weights, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps)
 
 
 class FusedStep(NamedTuple):
