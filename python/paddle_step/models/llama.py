@@ -235,11 +235,12 @@ class DecoderLayer(nn.Layer):
         (float32 or bfloat16) and ``LayerFusion.fuse_layers``."""
         weights_and_shape = self._fused_arguments.get(step.isa)
         if weights_and_shape is None:  # the same every step: built once, not per call
-            weights_and_shape = self._fused_arguments[step.isa] = self._fused_weights(step.isa)
+            weights_and_shape = self._fused_weights_and_shape(step.isa)
+            self._fused_arguments[step.isa] = weights_and_shape
         cache = step.kv_cache.view(index, step.block_tables, step.rows, step.positions)
         return paddle_step_ops.cpu_decoder_layer(x, *weights_and_shape, (*rope, step.slots, cache))
 
-    def _fused_weights(self, isa: str) -> tuple[tuple, tuple]:
+    def _fused_weights_and_shape(self, isa: str) -> tuple[tuple, tuple]:
         """``cpu_decoder_layer``'s weights (the products on path ``isa``) and shape."""
         w_qkv, qkv_bias, w_o, w_gate_up, w_down = self._dense_weights()
         cfg = self.config
