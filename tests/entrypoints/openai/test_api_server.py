@@ -196,6 +196,7 @@ BAD_REQUESTS = [
     ("empty body", b"", "got an empty body"),
     ("a JSON list", b"[1, 2]", "expected a JSON object body, got a list"),
     ("JSON null", b"null", "expected a JSON object body, got null"),
+    ("not UTF-8", b'{"prompt": "\xff"}', "the body is not UTF-8 text: 'utf-8' codec can't decode"),
     (
         "curl -d's form type",
         (b'{"prompt": "hi"}', "application/x-www-form-urlencoded"),

@@ -113,9 +113,11 @@ def create_app(
 
     @app.exception_handler(HTTPException)
     async def http_error(_request: Request, error: HTTPException) -> JSONResponse:
+        message = str(error.detail)
+        if isinstance(error.__cause__, UnicodeDecodeError):  # FastAPI's detail names no cause
+            message = f"the body is not UTF-8 text: {error.__cause__}"
         return JSONResponse(
-            ApiError(str(error.detail), status=error.status_code).body(),
-            status_code=error.status_code,
+            ApiError(message, status=error.status_code).body(), status_code=error.status_code
         )
 
     @app.get("/health")
