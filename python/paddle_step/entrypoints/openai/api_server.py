@@ -100,14 +100,9 @@ def create_app(
         first = error.errors()[0]
         where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
         message = f"'{where}': {first.get('msg')}" if where else first.get("msg", "bad request")
-        if first.get("type") == "json_invalid":
-            # loc is ("body", character offset): the offset is not a field
+        # Malformed JSON's loc is ("body", character offset): the offset is not a field.
+        if first.get("type") == "json_invalid" or not (where or isinstance(error.body, dict)):
             where = None
-            message = (
-                f"malformed JSON body at character {first['loc'][-1]}: "
-                f"{first.get('ctx', {}).get('error', message)}"
-            )
-        elif not where and not isinstance(error.body, dict):
             message = whole_body_refusal(request.headers.get("content-type", ""), first, error.body)
         return JSONResponse(ApiError(message, param=where or None).body(), status_code=400)
 

@@ -107,6 +107,9 @@ def whole_body_refusal(content_type: str, error: dict, body: Any) -> str:
     """The message for a request whose body as a whole is not a JSON object (``error``:
     FastAPI's first validation error, ``body``: what it parsed, if anything). FastAPI
     parses JSON only under a JSON content type, and curl's ``-d`` sends a form's."""
+    if error.get("type") == "json_invalid":
+        reason = error.get("ctx", {}).get("error", error.get("msg"))
+        return f"malformed JSON body at character {error['loc'][-1]}: {reason}"
     media_type = content_type.split(";")[0].strip().lower()
     if media_type and media_type != "application/json" and not media_type.endswith("+json"):
         return (
