@@ -79,6 +79,11 @@ class RequestHandle:
     key: int | None = None  # the request's id between this process and the engine's
     done: bool = False  # set by the handler once it has read the last event
 
+    @property
+    def num_sequences(self) -> int:
+        """The batch slots the request takes: one per sample drawn."""
+        return self.params.best_of or self.params.n
+
 
 class EngineLoop:
     """Starts the engine of ``args`` (the engine flags) in a child process.
@@ -126,7 +131,9 @@ class EngineLoop:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._handles)
+        """Engine sequences in flight: each request's samples (``best_of`` or ``n``), as
+        each takes a batch slot of its own."""
+        return sum(handle.num_sequences for handle, _loop in list(self._handles.values()))
 
     def start(self) -> None:
         """Starts the child and waits for its model; raises ``RuntimeError`` with the

@@ -5,7 +5,8 @@ No paddle.
 The HTTP side reads these objects (through ``core_client``'s events):
 
 - ``StepToken``: one generated token of one sample, as soon as its step ends, with its
-  ``TokenLogprobs`` when the request asked for ``logprobs`` and the sample's
+  ``TokenLogprobs`` when the request asked for ``logprobs`` (with ``best_of`` > ``n``
+  always, its own logprob at least) and the sample's
   ``finish_reason`` when this token ended it;
 - ``GenerationResult``: the finished request: its prompt, ``prompt_logprobs`` when asked,
   and one ``SampleOutput`` per returned sample (``n`` of them, ``index`` 0 .. n-1).
@@ -103,8 +104,9 @@ class GenerationResult:
 class StepToken:
     """A token a step generated: of request ``request_id``'s sample ``index`` (with
     ``best_of`` > ``n``: the draw's index in 0 .. best_of-1, not streamable as a choice);
-    ``logprobs`` when the request asked; ``finish_reason`` when this token ended the
-    sample."""
+    ``logprobs`` when the request asked, or its own logprob alone with ``best_of`` > ``n``
+    (what ranks the draws, also for a server that ends a draw early on a stop string);
+    ``finish_reason`` when this token ended the sample."""
 
     request_id: int
     index: int

@@ -307,10 +307,10 @@ class Scheduler:
         self.slot_controls[slot] = _controls_of(request)
         self.slot_bias_width[slot] = len(params.logit_bias)
         self.slot_sample_index[slot] = request.index
-        self.slot_special[slot] = (
-            params.logprobs is not None or params.constraint is not None or params.max_tokens == 0
-        )
         top = request.logprobs_top
+        self.slot_special[slot] = (
+            top is not None or params.constraint is not None or params.max_tokens == 0
+        )
         self.slot_logprobs_top[slot] = -1 if top is None else top
         self.slot_uses_more[slot] = self.slot_controls[slot].any() or top is not None
         self.token_logprobs[slot] = []
@@ -502,7 +502,7 @@ class Scheduler:
                 request = self.slot_requests[slot]
                 if request.params.max_tokens == 0:
                     continue  # the token a prompt-logprobs prefill samples is dropped
-                if request.params.logprobs is not None:
+                if request.logprobs_top is not None:
                     token.logprobs = self.token_logprobs[slot][-1]
                 if ended[slot] or request.constraint_finished:
                     token.finish_reason = self._finish_reason(slot)

@@ -212,6 +212,43 @@ BAD_REQUESTS = [
     ("suffix", {"prompt": "hi", "suffix": "x"}, "suffix"),
     ("empty prompt", {"prompt": ""}, "prompt"),
     ("ids past the embedding", {"prompt": [5, 400]}, "token ids must be in [0, 400)"),
+    # Refused before anything streams (the engine's own checks would answer a stream with
+    # 200 and then an error event).
+    (
+        "stream_options unstreamed",
+        {"prompt": "hi", "stream_options": {"include_usage": True}},
+        "'stream_options': only allowed with 'stream': true",
+    ),
+    (
+        "prompt_logprobs streamed",
+        {"prompt": "hi", "prompt_logprobs": 1, "stream": True},
+        "'prompt_logprobs': not available with 'stream': true",
+    ),
+    (
+        "301 logit_bias entries",
+        {"prompt": "hi", "stream": True, "logit_bias": {str(token): 1 for token in range(301)}},
+        "'logit_bias': expected at most 300 entries, got '301 entries'",
+    ),
+    (
+        "9 stop_token_ids",
+        {"prompt": "hi", "stream": True, "stop_token_ids": list(range(9))},
+        "'stop_token_ids': expected at most 8 token ids, got '9 ids'",
+    ),
+    (
+        "min_tokens over max_tokens",
+        {"prompt": "hi", "max_tokens": 3, "min_tokens": 10},
+        "'min_tokens': expected an integer <= 'max_tokens' (3), got 10",
+    ),
+    (
+        "min_tokens over the context",
+        {"prompt": "hi", "min_tokens": 70},
+        "'min_tokens' (70) exceeds the",
+    ),
+    (
+        "best_of with a schema",
+        {"prompt": "hi", "best_of": 2, "response_format": {"type": "json_object"}},
+        "structured output draws one sample per prompt, got n 1 and best_of 2",
+    ),
 ]
 
 

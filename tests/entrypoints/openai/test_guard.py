@@ -149,6 +149,27 @@ def test_more_than_max_waiting_gets_429_with_retry_after(url):
     check_serving(url)
 
 
+@pytest.mark.parametrize(
+    "fields,param",
+    [({"prompt": ["A list is"] * (MAX_BATCH + MAX_WAITING + 1)}, "prompt"),
+     ({"n": MAX_BATCH + MAX_WAITING + 1}, "n"),
+     ({"best_of": MAX_BATCH + MAX_WAITING + 1}, "best_of")],
+    ids=["prompts", "n", "best_of"],
+)  # fmt: skip
+def test_more_sequences_than_the_server_holds_get_400_not_429(url, fields, param):
+    """A request that could never fit (each prompt's each sample takes a slot) is refused
+    for good: a 429 would have its client retry forever."""
+    body = {"model": "pydoc-tiny", "prompt": "A list is", "max_tokens": 3, **fields}
+    response = post(url, body)
+    check_error(response, 400, f"more than the server ever holds: --max-batch + --max-waiting "
+                               f"= {MAX_BATCH + MAX_WAITING}")  # fmt: skip
+    assert response.json()["error"]["param"] == param
+    fits = {**body, **{key: value[:-1] if key == "prompt" else value - 1
+                       for key, value in fields.items()}}  # fmt: skip
+    assert post(url, fits).status_code == 200
+    check_serving(url)
+
+
 SURROGATE = "x\ud800y"
 SURROGATE_BODIES = {
     "prompt": ("/v1/completions", {"prompt": SURROGATE}),

@@ -130,6 +130,17 @@ BAD_COMPLETIONS = [
     ({"prompt": [[1]] * 200, "best_of": 2}, "prompt"),
     ({"stop": [""]}, "stop"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"stream_options": {"include_usage": False}}, "stream_options"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"logit_bias": {str(token): 1 for token in range(301)}}, "logit_bias"),
+    ({"logit_bias": {" 5": 1}}, "logit_bias"),
+    ({"logit_bias": {"5_0": 1}}, "logit_bias"),
+    ({"logit_bias": {"\u0665": 1}}, "logit_bias"),  # an Arabic-Indic five: int() takes it
+    ({"stop_token_ids": list(range(9))}, "stop_token_ids"),
+    ({"min_tokens": 10, "max_tokens": 3}, "min_tokens"),
+    ({"top_p": 1e-46}, "top_p"),  # 0 in float32
+    ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+    ({"repetition_penalty": 1e300}, "repetition_penalty"),  # inf in float32
 ]
 
 
@@ -183,16 +194,37 @@ def test_chat_messages_refused(message):
         chat(messages=[message]).messages[0].for_template()
 
 
-def test_chat_image_part_fails_validation():
-    with pytest.raises(ValidationError):
-        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+def test_chat_image_part_fails_validation_saying_so():
+    with pytest.raises(ValidationError) as error:
+        chat(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "see"},
+                        {"type": "image_url", "image_url": {}},
+                    ],
+                }
+            ]
+        )
+    assert error.value.errors()[0]["loc"] == ("messages", 0, "content")
+    assert error.value.errors()[0]["msg"] == (
+        'only text parts are supported, got a part of type "image_url" at content[1]'
+    )
+
+
+def test_edge_values_that_stay_accepted():
+    completion(min_tokens=3, max_tokens=3, top_p=1.5e-45, logit_bias={"07": 1}).check(VOCAB)
+    completion(stream=True, stream_options={"include_usage": False}).check(VOCAB)
+    completion(logit_bias={str(token): 1 for token in range(100)}).check(VOCAB)
+    chat(max_completion_tokens=4, min_tokens=4).check(VOCAB)
 
 
 def test_chat_max_completion_tokens_and_logprobs():
     body = chat(max_completion_tokens=8, logprobs=True, top_logprobs=3)
     body.check(VOCAB)
-    assert body.completion_limit() == 8 and body.logprobs_asked() == 3
-    assert chat(max_tokens=5).completion_limit() == 5
+    assert body.token_limit() == ("max_completion_tokens", 8) and body.logprobs_asked() == 3
+    assert chat(max_tokens=5).token_limit() == ("max_tokens", 5)
     assert chat(logprobs=True).logprobs_asked() == 0
     assert chat().logprobs_asked() is None
     params = body.sampling_params(8, VOCAB)
@@ -211,6 +243,9 @@ BAD_CHATS = [
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"n": 1000}, "n"),
+    ({"max_tokens": 0}, "max_tokens"),  # the field the client sent, not its other name
+    ({"max_completion_tokens": 3, "min_tokens": 4}, "min_tokens"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
 ]
 
 

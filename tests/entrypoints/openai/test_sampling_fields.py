@@ -105,7 +105,8 @@ def test_completion_logprobs_equal_offline(served, offline, stream):
         got = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for chunk in api.completions.create(stream=True, **request):
             for choice in chunk.choices:
-                if choice.logprobs is not None:
+                if choice.logprobs is not None:  # null on the chunks without a token
+                    assert choice.logprobs.tokens, chunk
                     for key in got:
                         got[key] += getattr(choice.logprobs, key)
     else:
@@ -162,7 +163,8 @@ def test_chat_logprobs_equal_offline(served, offline, stream):
         content = []
         for chunk in api.chat.completions.create(stream=True, **request):
             for choice in chunk.choices:
-                if choice.logprobs is not None:
+                if choice.logprobs is not None:  # null on the chunks without a token
+                    assert choice.logprobs.content, chunk
                     content += choice.logprobs.content
     else:
         content = api.chat.completions.create(**request).choices[0].logprobs.content

@@ -164,8 +164,11 @@ def create_app(
                 param="prompt",
             )
 
-    def token_budget(prompt_ids: list[int], asked: int | None, name: str, prompt_param: str) -> int:
-        """``asked`` (None: all the room left), checked against the context."""
+    def token_budget(
+        prompt_ids: list[int], asked: int | None, name: str, prompt_param: str, min_tokens: int
+    ) -> int:
+        """``asked`` (None: all the room left), checked against the context and
+        ``min_tokens``."""
         room = max_model_len - len(prompt_ids)
         if room < 1:
             raise ApiError(
@@ -179,6 +182,12 @@ def create_app(
                 f"the prompt ({len(prompt_ids)} tokens) plus '{name}' ({max_tokens}) "
                 f"exceeds the model's context of {max_model_len} tokens",
                 param=name,
+            )
+        if min_tokens > max_tokens:  # an explicit limit below min_tokens is refused earlier
+            raise ApiError(
+                f"'min_tokens' ({min_tokens}) exceeds the {max_tokens} tokens the model's "
+                f"context of {max_model_len} leaves after the prompt ({len(prompt_ids)} tokens)",
+                param="min_tokens",
             )
         return max_tokens
 
@@ -198,9 +207,10 @@ def create_app(
                 "this model has none",
                 param="response_format",
             )
-        if body.n > 1:
+        if body.samples_drawn() > 1:
             raise ApiError(
-                f"'response_format': structured output draws one sample per prompt, got n {body.n}",
+                "'response_format': structured output draws one sample per prompt, got "
+                f"n {body.n} and best_of {body.samples_drawn()}",
                 param="response_format",
             )
         from ...structured_output import JsonSchemaConstraint, compile_json_schema
@@ -238,7 +248,9 @@ def create_app(
         new_constraint = await constraints_of(body)
         for index, (prompt, prompt_ids) in enumerate(zip(prompts, prompt_ids_list)):
             check_model_and_prompt(body, prompt_ids)
-            max_tokens = token_budget(prompt_ids, body.max_tokens, "max_tokens", "prompt")
+            max_tokens = token_budget(
+                prompt_ids, body.max_tokens, "max_tokens", "prompt", body.min_tokens
+            )
             params = body.sampling_params(max_tokens, vocab_size, new_constraint())
             echo = None
             if body.echo:
@@ -258,8 +270,8 @@ def create_app(
         except (ValueError, TemplateError) as error:
             raise ApiError(f"'messages': {error}", param="messages") from None
         check_model_and_prompt(body, prompt_ids)
-        limit_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        max_tokens = token_budget(prompt_ids, body.completion_limit(), limit_name, "messages")
+        limit_name, limit = body.token_limit()
+        max_tokens = token_budget(prompt_ids, limit, limit_name, "messages", body.min_tokens)
         params = body.sampling_params(max_tokens, vocab_size, (await constraints_of(body))())
         fmt = _ChatFormat(model_name, formatter, body.logprobs_asked())
         return await respond(request, body, [_Run(0, prompt_ids, params, None)], fmt)
@@ -269,9 +281,19 @@ def create_app(
         for run in runs:
             run.start(tokenizer, body.stop_strings(), events)
         handles = [run.handle for run in runs if run.handle is not None]
-        if handles and loop.num_in_flight + len(handles) > max_in_flight:
+        sequences = sum(handle.num_sequences for handle in handles)
+        if sequences > max_in_flight:  # would never fit: retrying cannot help
+            many = "prompt" if len(runs) > 1 else "n"
+            if body.samples_drawn() > body.n and len(runs) == 1:
+                many = "best_of"
+            raise ApiError(
+                f"'{many}': the request needs {sequences} batch slots (prompts x best_of), "
+                f"more than the server ever holds: --max-batch + --max-waiting = {max_in_flight}",
+                param=many,
+            )
+        if handles and loop.num_in_flight + sequences > max_in_flight:
             error = ApiError(
-                f"the server is at capacity ({max_waiting} requests waiting for a slot); "
+                f"the server is at capacity ({max_waiting} sequences may wait for a slot); "
                 "retry later",
                 status=429,
                 kind="rate_limit_exceeded",
@@ -397,15 +419,21 @@ async def _relay(
     its choices' finish reasons or its error. With ``is_disconnected``, stops early once
     the client has gone."""
     pending = sum(not run.finished for run in runs)
+    next_check = time.monotonic() + _DISCONNECT_POLL_S
     while pending:
         if is_disconnected is None:
             index, kind, value = await events.get()
         else:
+            # Checked on a clock, not only when the tokens pause: a request whose tokens
+            # keep coming would otherwise run to its end for a client long gone.
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + _DISCONNECT_POLL_S
+                if await is_disconnected():
+                    return
             try:
                 index, kind, value = await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
             except TimeoutError:
-                if await is_disconnected():
-                    return
+                next_check = 0.0
                 continue
         run = runs[index]
         if run.finished:
@@ -419,7 +447,7 @@ async def _relay(
             if all(choice.done for choice in run.samples.values()):
                 # Every sample stopped on a stop string: the engine need not go on.
                 _abort_all(loop, [run])
-                run.returned = [run.samples[j] for j in range(run.params.n)]
+                run.returned = _returned_choices(run, list(range(run.params.n)))
                 run.finished = True
                 pending -= 1
         elif kind == "cached":
@@ -429,10 +457,11 @@ async def _relay(
             yield run, None, ""
         elif kind == "finish":
             run.handle.done = True
-            for sample, reason in value:
-                choice = run.samples[sample]
+            reasons = dict(value)
+            run.returned = _returned_choices(run, [sample for sample, _reason in value])
+            for choice in run.returned:
+                reason = reasons.get(choice.sample) or _unreported_reason(run, choice)
                 yield run, choice, choice.finish(reason)
-            run.returned = [run.samples[sample] for sample, _reason in value]
             run.finished = True
             pending -= 1
         else:  # "error": the engine refused the request, or failed
@@ -440,6 +469,27 @@ async def _relay(
             run.error = _api_error(value)
             run.finished = True
             pending -= 1
+
+
+def _returned_choices(run: _Run, engine_order: list[int]) -> list[_Choice]:
+    """The choices a finished run answers with. Without ``best_of`` > ``n``: every sample,
+    in ``engine_order``. With it: the ``n`` draws whose tokens as returned (up to the one
+    that completed a stop string, which the engine does not know of) have the highest
+    cumulative logprob, ties to the earlier draw."""
+    if len(run.samples) == run.params.n:
+        return [run.samples[sample] for sample in engine_order]
+    ranked = sorted(run.samples.values(), key=lambda choice: -_cumulative_logprob(choice))
+    return ranked[: run.params.n]
+
+
+def _cumulative_logprob(choice: _Choice) -> float:
+    return sum(logprob for logprob, _top in choice.logprobs)
+
+
+def _unreported_reason(run: _Run, choice: _Choice) -> str:
+    """Why a draw the engine did not return ended: the engine reports only its own best
+    of ``best_of``, and a draw ends at ``max_tokens`` or on an eos or stop token."""
+    return "length" if len(choice.token_ids) >= run.params.max_tokens else "stop"
 
 
 async def _sse(
@@ -649,9 +699,11 @@ class _CompletionFormat(_Format):
 
     def chunk(self, choice: _Choice, delta: str, finish_reason: str | None = None) -> dict:
         logprobs = None
-        if self.logprobs is not None:
-            entries = self.take_logprobs(choice)
-            tokens = choice.token_ids[len(choice.token_ids) - len(entries) :] if entries else []
+        # A chunk that carries no token (the finish, text held back until the end) has
+        # null logprobs, as at OpenAI.
+        entries = self.take_logprobs(choice) if self.logprobs is not None else []
+        if entries:
+            tokens = choice.token_ids[len(choice.token_ids) - len(entries) :]
             start = self._offsets.get(id(choice), 0)
             logprobs = self.formatter.completion(tokens, entries, start)
             self._offsets[id(choice)] = start + sum(len(t) for t in logprobs["tokens"])
@@ -715,9 +767,9 @@ class _ChatFormat(_Format):
 
     def chunk(self, choice: _Choice, delta: str, finish_reason: str | None = None) -> dict:
         logprobs = None
-        if self.logprobs is not None:
-            entries = self.take_logprobs(choice)
-            tokens = choice.token_ids[len(choice.token_ids) - len(entries) :] if entries else []
+        entries = self.take_logprobs(choice) if self.logprobs is not None else []
+        if entries:  # null on a chunk that carries no token, as at OpenAI
+            tokens = choice.token_ids[len(choice.token_ids) - len(entries) :]
             logprobs = self._logprobs(tokens, entries)
         return self.envelope(
             self.chunk_object,

@@ -3,7 +3,8 @@ know from the request models.
 
 - The bounds the server enforces on request fields (``max_tokens``, the sampling
   controls, ``n``, ``logprobs``, the served ``model``, non-empty prompts and stop strings,
-  token ids within the vocabulary).
+  token ids within the vocabulary, the number of ``logit_bias`` entries and
+  ``stop_token_ids``).
 - The error statuses it answers, all in OpenAI's error shape: 400 for any invalid request
   (FastAPI's 422 never happens), 404 for a model it does not serve, 401 with an API key,
   413, 429 and 503; ``/health``'s 503.
@@ -22,7 +23,13 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from ...sampling_params import MAX_LOGPROBS
-from .protocol import MAX_CHOICES
+from .protocol import (
+    FLOAT32_LARGEST,
+    FLOAT32_SMALLEST,
+    MAX_CHOICES,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_STOP_TOKEN_IDS,
+)
 
 __all__ = ["install_openapi"]
 
@@ -49,6 +56,28 @@ _SSE_EVENT = {
     "type": "object",
     "required": ["data"],
     "properties": {"data": {"type": "string"}},
+}
+
+# Rules between fields of a request body, in JSON Schema's if/then.
+_STREAM_OPTIONS_NEED_STREAM = {  # stream_options (not null) only with stream true
+    "if": {"properties": {"stream_options": {"type": "object"}}, "required": ["stream_options"]},
+    "then": {"properties": {"stream": {"const": True}}, "required": ["stream"]},
+}
+_ZERO_TOKENS_NEED_ECHO = {  # a completion's max_tokens 0 only with echo
+    "if": {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
+    "then": {"properties": {"echo": {"const": True}}, "required": ["echo"]},
+}
+_PROMPT_LOGPROBS_UNSTREAMED = {  # prompt_logprobs (not null) only without stream
+    "if": {"properties": {"prompt_logprobs": {"type": "integer"}}, "required": ["prompt_logprobs"]},
+    "then": {"properties": {"stream": {"const": False}}},
+}
+_TOP_LOGPROBS_NEED_LOGPROBS = {  # chat's top_logprobs (not null) only with logprobs true
+    "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+    "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+}
+_CONTENT_UNLESS_ASSISTANT = {  # content may be null (or absent) for an assistant only
+    "if": {"properties": {"role": {"const": "assistant"}}},
+    "else": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
 }
 
 _ERRORS = {
@@ -103,15 +132,27 @@ def _amend(
         "max_tokens": {"number": {"minimum": 0, "maximum": max_model_len - 1}},
         "max_completion_tokens": {"number": {"minimum": 1, "maximum": max_model_len - 1}},
         "temperature": {"number": {"minimum": 0, "maximum": 2}},
-        "top_p": {"number": {"exclusiveMinimum": 0, "maximum": 1}},
+        "top_p": {"number": {"minimum": FLOAT32_SMALLEST, "maximum": 1}},
         "top_k": {"number": {"minimum": -1}},
         "min_p": {"number": {"minimum": 0, "maximum": 1}},
         "presence_penalty": {"number": {"minimum": -2, "maximum": 2}},
         "frequency_penalty": {"number": {"minimum": -2, "maximum": 2}},
-        "repetition_penalty": {"number": {"exclusiveMinimum": 0}},
-        "min_tokens": {"number": {"minimum": 0}},
+        "repetition_penalty": {"number": {"minimum": FLOAT32_SMALLEST, "maximum": FLOAT32_LARGEST}},
+        # At most max_tokens, itself at most what the context leaves.
+        "min_tokens": {"number": {"minimum": 0, "maximum": max_model_len - 1}},
         "seed": {"number": {"minimum": 0, "maximum": 2**63 - 1}},
-        "stop_token_ids": {"number": {"minimum": 0, "maximum": vocab_size - 1}},
+        "stop_token_ids": {
+            "number": {"minimum": 0, "maximum": vocab_size - 1},
+            "array": {"maxItems": MAX_STOP_TOKEN_IDS},
+        },
+        "logit_bias": {
+            "object": {
+                "maxProperties": MAX_LOGIT_BIAS_ENTRIES,
+                "propertyNames": {"pattern": "^[0-9]+$"},
+            },
+        },
+        "tools": {"array": {"maxItems": 0}},
+        "functions": {"array": {"maxItems": 0}},
         "n": {"number": {"minimum": 1, "maximum": MAX_CHOICES}},
         "best_of": {"number": {"minimum": 1, "maximum": MAX_CHOICES}},
         "logprobs": {"number": {"minimum": 0, "maximum": MAX_LOGPROBS}},
@@ -127,11 +168,25 @@ def _amend(
             "array of array": {"maxItems": MAX_CHOICES},
         },
     }
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
+    # Chat has no echo: its max_tokens is at least 1, as max_completion_tokens.
+    chat_bounds = {"max_tokens": bounds["max_completion_tokens"]}
+    for name, overrides in (("CompletionRequest", {}), ("ChatCompletionRequest", chat_bounds)):
         properties = schemas.get(name, {}).get("properties", {})
-        for field, bound in bounds.items():
+        for field, bound in {**bounds, **overrides}.items():
             if field in properties:
                 _bound(properties[field], bound)
+        rules = [_STREAM_OPTIONS_NEED_STREAM]
+        if name == "CompletionRequest":
+            rules += [_ZERO_TOKENS_NEED_ECHO, _PROMPT_LOGPROBS_UNSTREAMED]
+        else:
+            rules.append(_TOP_LOGPROBS_NEED_LOGPROBS)
+        if name in schemas:
+            schemas[name]["allOf"] = rules
+    message = schemas.get("ChatMessage")
+    if message is not None:  # tool messages and tool calls are refused
+        message["properties"]["role"]["enum"].remove("tool")
+        _bound(message["properties"]["tool_calls"], {"array": {"maxItems": 0}})
+        message["allOf"] = [_CONTENT_UNLESS_ASSISTANT]
     for path, operations in document.get("paths", {}).items():
         for method, operation in operations.items():
             responses = operation.setdefault("responses", {})
@@ -167,12 +222,14 @@ def _amend(
 
 def _bound(schema: dict, bound: dict) -> None:
     """Adds ``bound``'s keywords to each branch of ``schema`` by its type: ``string``,
-    ``number`` (integers too), ``array`` (and ``array of string`` etc. by item type);
-    array items are bounded like values."""
+    ``number`` (integers too), ``object``, ``array`` (and ``array of string`` etc. by item
+    type); array items are bounded like values."""
     for branch in schema.get("anyOf", [schema]):
         kind = branch.get("type")
         if kind == "string":
             branch.update(bound.get("string", {}))
+        elif kind == "object":
+            branch.update(bound.get("object", {}))
         elif kind in ("integer", "number"):
             branch.update(bound.get("number", {}))
         elif kind == "array":

@@ -23,10 +23,16 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from ...engine.request import MAX_LOGIT_BIAS as MAX_LOGIT_BIAS_ENTRIES
+from ...engine.request import MAX_STOP_TOKEN_IDS
 from ...sampling_params import MAX_LOGPROBS, SamplingParams, TokenConstraint
 
 __all__ = [
+    "FLOAT32_LARGEST",
+    "FLOAT32_SMALLEST",
     "MAX_CHOICES",
+    "MAX_LOGIT_BIAS_ENTRIES",
+    "MAX_STOP_TOKEN_IDS",
     "ApiError",
     "ChatCompletionRequest",
     "ChatMessage",
@@ -38,6 +44,10 @@ __all__ = [
 MAX_CHOICES = 256
 # OpenAI's bound on a logit_bias value.
 MAX_LOGIT_BIAS = 100.0
+# The smallest positive float32: the sampler computes in float32, where a smaller top_p
+# or repetition_penalty would become 0 (top_p 1e-46 would mean "off", not "greedy").
+FLOAT32_SMALLEST = 1.401298464324817e-45
+FLOAT32_LARGEST = 3.4028234663852886e38
 
 Number = StrictInt | StrictFloat
 
@@ -229,12 +239,12 @@ class _RequestFields(_Strict):
         return stops
 
     def include_usage(self) -> bool:
-        if self.stream_options is not None and not self.stream:
-            raise ApiError(
-                "'stream_options': only allowed with 'stream': true, got stream false",
-                param="stream_options",
-            )
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def token_limit(self) -> tuple[str, int | None]:
+        """The field that limits the tokens generated, as the client named it, and its
+        value (None: what the context leaves)."""
+        return "max_tokens", self.max_tokens
 
     def json_schema(self) -> dict | None:
         """The schema structured output must follow (``response_format``), or None."""
@@ -244,31 +254,50 @@ class _RequestFields(_Strict):
         """The range checks pydantic's types do not express."""
         _refuse_unless(0.0 <= self.temperature <= 2.0, "temperature", "a number in [0, 2]",
                        self.temperature)  # fmt: skip
-        _refuse_unless(0.0 < self.top_p <= 1.0, "top_p", "a number in (0, 1]", self.top_p)
+        _refuse_unless(FLOAT32_SMALLEST <= self.top_p <= 1.0, "top_p",
+                       f"a number in (0, 1], at least {FLOAT32_SMALLEST:.6g} (float32's smallest)",
+                       self.top_p)  # fmt: skip
         _refuse_unless(self.top_k >= -1, "top_k", "an integer >= -1 (0 or -1: off)", self.top_k)
         _refuse_unless(0.0 <= self.min_p <= 1.0, "min_p", "a number in [0, 1]", self.min_p)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _refuse_unless(-2.0 <= value <= 2.0, name, "a number in [-2, 2]", value)
-        _refuse_unless(self.repetition_penalty > 0.0, "repetition_penalty", "a number > 0",
+        _refuse_unless(FLOAT32_SMALLEST <= self.repetition_penalty <= FLOAT32_LARGEST,
+                       "repetition_penalty", "a number > 0 within float32's range "
+                       f"[{FLOAT32_SMALLEST:.6g}, {FLOAT32_LARGEST:.6g}]",
                        self.repetition_penalty)  # fmt: skip
         _refuse_unless(self.min_tokens >= 0, "min_tokens", "an integer >= 0", self.min_tokens)
+        limit_name, limit = self.token_limit()
+        if limit is not None:
+            _refuse_unless(self.min_tokens <= limit, "min_tokens",
+                           f"an integer <= '{limit_name}' ({limit})", self.min_tokens)  # fmt: skip
         _refuse_unless(self.n >= 1, "n", "an integer >= 1", self.n)
         _refuse_unless(self.seed is None or 0 <= self.seed < 2**63, "seed",
                        "an integer in [0, 2**63)", self.seed)  # fmt: skip
-        for token in self.stop_token_ids or []:
+        stop_token_ids = self.stop_token_ids or []
+        _refuse_unless(len(stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+                       f"at most {MAX_STOP_TOKEN_IDS} token ids",
+                       f"{len(stop_token_ids)} ids")  # fmt: skip
+        for token in stop_token_ids:
             _refuse_unless(0 <= token < vocab_size, "stop_token_ids",
                            f"token ids in [0, {vocab_size})", token)  # fmt: skip
         self.token_bias(vocab_size)
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(
+                "'stream_options': only allowed with 'stream': true, got stream false",
+                param="stream_options",
+            )
 
     def token_bias(self, vocab_size: int) -> dict[int, float]:
         """``logit_bias`` with its keys (token ids as strings, as JSON has them) as ints."""
         bias: dict[int, float] = {}
-        for key, value in (self.logit_bias or {}).items():
-            try:
-                token = int(key)
-            except ValueError:
-                token = -1
+        entries = self.logit_bias or {}
+        _refuse_unless(len(entries) <= MAX_LOGIT_BIAS_ENTRIES, "logit_bias",
+                       f"at most {MAX_LOGIT_BIAS_ENTRIES} entries",
+                       f"{len(entries)} entries")  # fmt: skip
+        for key, value in entries.items():
+            # Plain decimal digits only: int() would also take " 5", "5_0" or "٥".
+            token = int(key) if key.isascii() and key.isdigit() else -1
             _refuse_unless(0 <= token < vocab_size, "logit_bias",
                            f"keys that are token ids in [0, {vocab_size})", key)  # fmt: skip
             bound = MAX_LOGIT_BIAS
@@ -355,6 +384,12 @@ class CompletionRequest(_RequestFields):
             value = getattr(self, name)
             _refuse_unless(value is None or 0 <= value <= MAX_LOGPROBS, name,
                            f"an integer in [0, {MAX_LOGPROBS}]", value)  # fmt: skip
+        if self.stream and self.prompt_logprobs is not None:
+            raise ApiError(
+                "'prompt_logprobs': not available with 'stream': true (as in vLLM); use echo "
+                f"with logprobs to stream the prompt's logprobs, got {self.prompt_logprobs}",
+                param="prompt_logprobs",
+            )
         best_of = self.samples_drawn()
         _refuse_unless(best_of >= self.n, "best_of", f"an integer >= n ({self.n})", best_of)
         if self.stream and best_of > self.n:
@@ -386,12 +421,28 @@ class TextPart(_Strict):
     text: StrictStr
 
 
+def _text_parts_only(value):
+    """A content list with a part other than text (an image, audio, a file) is refused by
+    what it is; pydantic alone would report the first form of the union it tried
+    (``'messages.0.content.str': Input should be a valid string``)."""
+    if isinstance(value, list):
+        for index, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise PydanticCustomError(
+                    "content_part",
+                    "only text parts are supported, got a part of type {kind} at content[{index}]",
+                    {"kind": json.dumps(kind), "index": index},
+                )
+    return value
+
+
 class ChatMessage(_Strict):
     """A message; ``content`` is a string, a list of text parts (joined with newlines) or,
     for an assistant, null."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: StrictStr | list[TextPart] | None = None
+    content: Annotated[StrictStr | list[TextPart] | None, BeforeValidator(_text_parts_only)] = None
     name: StrictStr | None = None
     # Tool use is not supported: these are accepted only when absent or null/empty.
     tool_calls: list[Any] | None = None
@@ -449,9 +500,9 @@ class ChatCompletionRequest(_RequestFields):
                 f"'max_tokens' ({self.max_tokens}) disagree; send one",
                 param="max_completion_tokens",
             )
-        limit = self.completion_limit()
-        _refuse_unless(limit is None or limit >= 1, "max_completion_tokens",
-                       "an integer >= 1", limit)  # fmt: skip
+        limit_name, limit = self.token_limit()
+        _refuse_unless(limit is None or limit >= 1, limit_name, "an integer >= 1",
+                       limit)  # fmt: skip
         if self.top_logprobs is not None:
             _refuse_unless(self.logprobs, "top_logprobs", "to come with 'logprobs': true",
                            self.top_logprobs)  # fmt: skip
@@ -459,13 +510,11 @@ class ChatCompletionRequest(_RequestFields):
                            f"an integer in [0, {MAX_LOGPROBS}]", self.top_logprobs)  # fmt: skip
         _refuse_unless(self.n <= MAX_CHOICES, "n", f"an integer <= {MAX_CHOICES}", self.n)
 
-    def completion_limit(self) -> int | None:
+    def token_limit(self) -> tuple[str, int | None]:
         """``max_completion_tokens``, or the deprecated ``max_tokens``."""
-        return (
-            self.max_completion_tokens
-            if self.max_completion_tokens is not None
-            else (self.max_tokens)
-        )
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
 
     def logprobs_asked(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
