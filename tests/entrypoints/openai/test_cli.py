@@ -1,8 +1,10 @@
-"""``python -m paddle_step.serve`` without the serving stack: one line that names what to
-install, before any model is loaded."""
+"""``python -m paddle_step.serve`` refusing to start: without the serving stack, or with a
+flag out of range, one line says why before any model is loaded."""
 
 import subprocess
 import sys
+
+import pytest
 
 
 def test_missing_serving_stack_is_named_in_one_line():
@@ -17,3 +19,18 @@ def test_missing_serving_stack_is_named_in_one_line():
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith("paddle_step.serve: the serving stack is not installed")
     assert lines[0].endswith(f"`{sys.executable} -m pip install uvicorn prometheus-client`")
+
+
+@pytest.mark.parametrize("port", ["70000", "-1"])
+def test_a_port_out_of_range_is_refused_before_loading(port):
+    """bind() would raise only after the model loaded, with a traceback (and the engine
+    process, which ignores SIGTERM, kept the interpreter from exiting)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "paddle_step.serve", "--model", "no/such/dir", "--port", port],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"python -m paddle_step.serve: error: argument --port: expected an integer in "
+        f"[0, 65535], got {port}"
+    )

@@ -220,3 +220,16 @@ def test_sigterm_ends_requests_still_running_after_the_shutdown_timeout():
             check_error(response.json(), 503)
         assert server.process.wait(60) in (0, -signal.SIGTERM)
         check_no_orphans(children)
+
+
+def test_ctrl_c_exits_130_without_a_traceback_leaving_no_process():
+    """Ctrl-C reaches the whole process group; the engine process ignores it and the
+    server stops it."""
+    with spawn_server(FLAGS) as server:
+        children = descendants(server.process.pid)
+        os.kill(server.process.pid, signal.SIGINT)
+        for child in children:
+            os.kill(child, signal.SIGINT)
+        assert server.process.wait(60) == 130
+        assert "Traceback" not in server.log(), server.log()
+        check_no_orphans(children)

@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m paddle_step.serve", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000, help="port to bind (0: any free one)")
     parser.add_argument(
         "--served-model-name",
         default=None,
@@ -90,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
     check_engine_arguments(parser, args)
+    if not 0 <= args.port <= 65535:  # checked before the model loads, not by bind()
+        parser.error(f"argument --port: expected an integer in [0, 65535], got {args.port}")
     if not args.shutdown_timeout >= 0:
         parser.error(f"argument --shutdown-timeout: expected >= 0, got {args.shutdown_timeout}")
     for name in ("max_request_bytes", "max_waiting"):
@@ -169,7 +171,14 @@ def main(argv: list[str] | None = None) -> None:
         return
     server = _server(app, loop, args)
     threading.Thread(target=_exit_after_failure, args=(loop, server), daemon=True).start()
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down
+        raise SystemExit(130) from None
+    finally:
+        # Also when uvicorn fails before its shutdown stops the engine (a bind error):
+        # the engine process ignores SIGTERM, so interpreter exit would wait on it forever.
+        loop.stop()
     if loop.failure is not None:
         raise SystemExit(f"paddle_step.serve: exiting with status 1 ({loop.failure})")
 
