@@ -22,10 +22,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import string
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+# Paddle's C++ log (glog) prints its own INFO and WARNING lines about its internals ("New
+# Executor is Running", the PIR notices of compiled programs) amid the output; errors
+# still show. GLOG_minloglevel set in the environment wins. Before paddle loads.
+os.environ.setdefault("GLOG_minloglevel", "2")
 
 import numpy as np
 

@@ -165,7 +165,7 @@ def test_choices_are_logged(caplog) -> None:
 
     block = model_blocks(PLAIN).logits
     with_timed_ways(block, {"eager": 0.05, "op": 0.0})
-    with caplog.at_level(logging.INFO, logger="paddle_step.layers.dense_blocks"):
+    with caplog.at_level(logging.DEBUG, logger="paddle_step.layers.dense_blocks"):
         block(paddle.zeros([9, 4]), paddle.ones([4]), dense_blocks.DenseWeight(None, None))
     assert [r.getMessage().split(":")[0] for r in caplog.records] == ["logits, 9 rows"]
     assert caplog.records[0].getMessage().endswith("-> op")
@@ -305,10 +305,12 @@ def test_paged_step_matches_eager(monkeypatch, method: str) -> None:
     assert (other.argmax(-1) == eager.argmax(-1)).all()
 
 
-def test_explain_dense_prints_the_choices() -> None:
+@pytest.mark.parametrize("explain", [True, False])
+def test_explain_dense_prints_the_choices(explain: bool) -> None:
     """``--explain-dense``: a line on stderr per block and row count class, naming the
     timings and the way kept (and one per class where whole layers were timed against the
-    blocks); stdout (``--json``) stays clean."""
+    blocks); stdout (``--json``) stays clean. Without it, none of them (``import
+    paddle.distributed`` gives the root logger an INFO handler), nor paddle's own INFO."""
     import json
     import subprocess
     import sys
@@ -316,9 +318,13 @@ def test_explain_dense_prints_the_choices() -> None:
 
     script = Path(__file__).resolve().parents[2] / "examples" / "generate.py"
     command = [sys.executable, str(script), "--model", "random", "--num-requests", "2"]
-    command += ["--max-new-tokens", "3", "--explain-dense", "--json"]
+    command += ["--max-new-tokens", "3", "--json", *(["--explain-dense"] if explain else [])]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True)
     json.loads(done.stdout)
+    if not explain:
+        assert " rows: " not in done.stderr and "prefetch distance" not in done.stderr
+        assert "New Executor" not in done.stderr  # paddle's glog INFO, quiet by default
+        return
     lines = [line for line in done.stderr.splitlines() if line.startswith("dense: ")]
     names = {line.split(",")[0].removeprefix("dense: ") for line in lines}
     assert {"attention_inputs", "output_and_mlp", "logits"} <= names

@@ -283,15 +283,16 @@ def engine_config(args: argparse.Namespace, context_len: int) -> EngineConfig:
 
 
 def explain_dense() -> None:
-    """Shows the dense blocks', the layers' and the prefetch distance's choices
-    (``layers.dense_blocks`` and ``layers.prefetch_distance`` log them) on stderr."""
+    """Shows the dense blocks', the layers' and the prefetch distance's choices on stderr
+    (``layers.dense_blocks`` and ``layers.prefetch_distance`` log them at DEBUG, below
+    the INFO that ``import paddle.distributed`` sets on the root logger)."""
     logger = logging.getLogger("paddle_step.layers")
     if not any(getattr(h, "explains_dense", False) for h in logger.handlers):
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("dense: %(message)s"))
         handler.explains_dense = True
         logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    logger.setLevel(logging.DEBUG)
     logger.propagate = False  # once, not again through a handler paddle put on the root
 
 

@@ -407,7 +407,7 @@ class DenseBlock:
         method = min(timings, key=timings.get)
         self.choice[rows_class] = method
         self.timings[rows_class] = timings
-        logger.info(
+        logger.debug(
             "%s, %d rows: %s -> %s",
             self.name,
             rows_class,
@@ -495,7 +495,7 @@ class LayerFusion:
         fuse = timings[True] < timings[False]
         rows_class = padded_rows(rows)
         self.choice[rows_class] = fuse
-        logger.info(
+        logger.debug(
             "layers, %d rows: blocks %.3f ms, fused %.3f ms -> %s", rows_class,
             timings[False] * 1e3, timings[True] * 1e3, "fused" if fuse else "blocks",
         )  # fmt: skip

@@ -117,7 +117,7 @@ def choose(products: Sequence[cpu_linear.PackedWeights]) -> PrefetchChoice:
     _chosen[key] = choice
     megabytes = sum(p.nbytes for p in products) / 1e6
     for rows, times in timings.items():
-        logger.info(
+        logger.debug(
             "prefetch distance, %d row(s) x %d products (%.1f MB) on %d threads: %s -> %d bytes",
             rows, len(products), megabytes, key[1],
             ", ".join(f"{b} B {ms:.3f} ms" for b, ms in times.items()), best[rows],

@@ -155,6 +155,9 @@ def main(argv: list[str] | None = None) -> None:
             f"run `{sys.executable} -m pip install {' '.join(missing)}`"
         )
     args = parse_args(argv)
+    # The engine process inherits it: paddle's C++ INFO and WARNING lines about its
+    # internals stay out of the server log (errors still show; the environment wins).
+    os.environ.setdefault("GLOG_minloglevel", "2")
     # With --tp > 1 (under paddle.distributed.launch) rank 0 serves HTTP; every rank runs
     # an engine process, and rank 0's hands the others each batch of requests.
     rank = int(os.environ.get("PADDLE_TRAINER_ID", "0")) if args.tp > 1 else 0
