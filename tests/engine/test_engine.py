@@ -121,6 +121,26 @@ def test_allocator_hands_each_block_out_once() -> None:
 # ---------------------------------------------------------------- requests
 
 
+@pytest.mark.parametrize(
+    "prompt,params,message",
+    [([1, 2], {"max_tokens": 2}, "argument 'params': expected a SamplingParams, got dict"),
+     ([1.5, 3], None, "expected int token ids, got float 1.5 at index 0"),
+     (["5", 6], None, "expected int token ids, got str '5' at index 0"),
+     ([True, 5], None, "expected int token ids, got bool True at index 0"),
+     ("A list is", None, "expected a sequence of int token ids, got str 'A list is' \\(encode"),
+     (7, None, "expected a sequence of int token ids, got int 7")],
+)  # fmt: skip
+def test_add_request_refuses_what_is_not_token_ids_or_params(
+    model: LlamaForCausalLM, prompt, params, message
+) -> None:
+    engine = Engine(
+        model, EngineConfig(max_batch=2, max_model_len=16, block_size=4, num_kv_blocks=10)
+    )
+    with pytest.raises(TypeError, match=message):
+        engine.add_request(prompt, params)
+    assert engine.add_request(np.array([1, 2]), limited(2)) == 0  # NumPy ints are ints
+
+
 def test_add_request_rejects_requests_that_cannot_run(model: LlamaForCausalLM) -> None:
     config = EngineConfig(max_batch=2, max_model_len=16, block_size=4, num_kv_blocks=10)
     engine = Engine(model, config)
@@ -136,6 +156,8 @@ def test_add_request_rejects_requests_that_cannot_run(model: LlamaForCausalLM) -
         engine.add_request([1], limited(2, top_p=0.0))
     with pytest.raises(ValueError, match="stop_token_ids': expected token ids in \\[0, 259\\)"):
         engine.add_request([1], limited(2, stop_token_ids=[259]))
+    with pytest.raises(ValueError, match="prompt length 16 \\+ max_tokens 0 \\(1 sampled\\) = 17"):
+        engine.add_request([1] * 16, limited(0, prompt_logprobs=0))
     small = Engine(
         model,
         EngineConfig(

@@ -46,7 +46,7 @@ from .block_allocator import EncoderBlockAllocator
 from .cpu_threads import default_threads, set_compute_threads
 from .model_runner import ModelRunner
 from .outputs import GenerationResult, GenerationStats, StepOutcome, StepToken, TokenLogprobs
-from .request import Request
+from .request import Request, check_params_type
 from .scheduler import AbortedRequest, Scheduler, StepLogprobs
 from .slot_state import ShareInputs
 
@@ -139,6 +139,7 @@ class Engine:
         holds).
         """
         params = SamplingParams() if params is None else params
+        check_params_type(params)
         request_id = self._next_request_id
         seed = params.seed
         key = sampling_key(seed) if seed is not None else sampling_key(self.seed, request_id)

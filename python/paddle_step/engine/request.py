@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ __all__ = [
     "MAX_STOP_IDS",
     "MAX_STOP_TOKEN_IDS",
     "Request",
+    "check_params_type",
     "normalize_eos",
 ]
 
@@ -49,6 +51,34 @@ def normalize_eos(
             f"{MAX_EOS_IDS} ids in [0, {vocab_size}), got {eos!r}"
         )
     return ids
+
+
+def check_params_type(params) -> None:
+    """Raises ``TypeError`` unless ``params`` is a ``SamplingParams``."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(
+            "add_request: argument 'params': expected a SamplingParams, "
+            f"got {type(params).__name__}"
+        )
+
+
+def _token_list(prompt_ids) -> list[int]:
+    """``prompt_ids`` as a list of Python ints; only integers count (1.5, "5" and True
+    are not token ids, and a str is text for the tokenizer)."""
+    if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__iter__"):
+        raise TypeError(
+            "add_request: argument 'prompt_ids': expected a sequence of int token ids, got "
+            f"{type(prompt_ids).__name__} {prompt_ids!r:.40}"
+            + (" (encode text with the tokenizer first)" if isinstance(prompt_ids, str) else "")
+        )
+    tokens = list(prompt_ids)
+    for index, token in enumerate(tokens):
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+            raise TypeError(
+                "add_request: argument 'prompt_ids': expected int token ids, got "
+                f"{type(token).__name__} {token!r:.40} at index {index}"
+            )
+    return [int(token) for token in tokens]
 
 
 def _check_token_ids(name: str, ids, vocab_size: int) -> None:
@@ -133,13 +163,9 @@ class Request:
         """The request ``Engine.add_request`` was asked for. Raises ``ValueError`` for one
         the engine could never run (empty prompt, ids outside the vocabulary, prompt +
         max_tokens past ``max_model_len``, more prompt blocks than the encoder region
-        holds) or a parameter outside what the engine supports."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(
-                "add_request: argument 'params': expected a SamplingParams, "
-                f"got {type(params).__name__}"
-            )
-        prompt = [int(token) for token in prompt_ids]
+        holds) or a parameter outside what the engine supports; ``TypeError`` for prompt
+        ids that are not ints (``params`` is a ``SamplingParams``: ``check_params_type``)."""
+        prompt = _token_list(prompt_ids)
         max_len = config.max_model_len
         if not prompt:
             raise ValueError(
@@ -156,9 +182,13 @@ class Request:
         request.samples.append(request)
         total = len(prompt) + request.max_new_tokens
         if total > max_len:
+            # max_tokens 0 still samples one token after the prompt (then drops it).
+            new = f"max_tokens {params.max_tokens}" + (
+                " (1 sampled)" if total > len(prompt) + params.max_tokens else ""
+            )
             raise ValueError(
-                f"add_request: prompt length {len(prompt)} + max_tokens {params.max_tokens} "
-                f"= {total}, expected <= max_model_len ({max_len})"
+                f"add_request: prompt length {len(prompt)} + {new} = {total}, expected <= "
+                f"max_model_len ({max_len})"
             )
         needed = config.encoder_blocks_for(len(prompt))
         if needed > config.num_encoder_blocks:
