@@ -167,6 +167,8 @@ def run(
             config = engine.config
     except ValueError as error:  # a checkpoint, budget or prompt the engine cannot run
         raise SystemExit(f"generate.py: {error}") from None
+    except MemoryError as error:  # --max-batch or --kv-blocks past this machine's memory
+        raise SystemExit(f"generate.py: out of memory building the engine: {error}") from None
 
     with progress_bar(len(prompts), shown=is_rank_zero(loaded)) as update:
         if engine is None:

@@ -8,6 +8,7 @@ applied, as vLLM reports them by default.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -76,6 +77,15 @@ def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
+def _is_finite(value) -> bool:
+    """A real number, not NaN or infinite (a str or a bool is none)."""
+    return (
+        isinstance(value, (int, float, np.integer, np.floating))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+    )
+
+
 @dataclass
 class SamplingParams:
     """How one request decodes.
@@ -120,23 +130,30 @@ class SamplingParams:
             "an int >= 0",
             self.max_tokens,
         )
-        _check(self.temperature >= 0.0, "temperature", ">= 0", self.temperature)
-        _check(0.0 < self.top_p <= 1.0, "top_p", "a value in (0, 1]", self.top_p)
+        # Every float is checked finite first: NaN passes no comparison but slips past a
+        # negated one, and a str would raise TypeError on the comparison.
+        _check(_is_finite(self.temperature) and self.temperature >= 0.0, "temperature",
+               "a finite number >= 0", self.temperature)  # fmt: skip
+        _check(_is_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p",
+               "a value in (0, 1]", self.top_p)  # fmt: skip
         _check(
             _is_int(self.top_k) and self.top_k >= -1,
             "top_k",
             "an int >= 0 (0 or -1: off)",
             self.top_k,
         )
-        _check(0.0 <= self.min_p <= 1.0, "min_p", "a value in [0, 1]", self.min_p)
+        _check(_is_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p",
+               "a value in [0, 1]", self.min_p)  # fmt: skip
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(-2.0 <= value <= 2.0, name, "a value in [-2, 2]", value)
-        _check(self.repetition_penalty > 0.0, "repetition_penalty", "> 0", self.repetition_penalty)
+            _check(_is_finite(value) and -2.0 <= value <= 2.0, name, "a value in [-2, 2]", value)
+        _check(_is_finite(self.repetition_penalty) and self.repetition_penalty > 0.0,
+               "repetition_penalty", "a finite number > 0", self.repetition_penalty)  # fmt: skip
         _check(
-            all(_is_int(token) for token in self.logit_bias),
+            isinstance(self.logit_bias, dict)
+            and all(_is_int(token) and _is_finite(bias) for token, bias in self.logit_bias.items()),
             "logit_bias",
-            "a map of token ids to biases",
+            "a map of token ids to finite biases",
             self.logit_bias,
         )
         _check(
@@ -151,7 +168,8 @@ class SamplingParams:
             "a list of token ids",
             self.stop_token_ids,
         )
-        _check(self.seed is None or _is_int(self.seed), "seed", "None or an int", self.seed)
+        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63), "seed",
+               "None or an int in [0, 2**63)", self.seed)  # fmt: skip
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(

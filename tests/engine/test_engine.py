@@ -12,6 +12,7 @@ from paddle_step.engine.llm_engine import Engine
 from paddle_step.engine.slot_state import ShareInputs
 from paddle_step.layers.sampler import sample_tokens
 from paddle_step.models.llama import LlamaForCausalLM
+from paddle_step.sampling_params import SamplingParams
 from paddle_step.spec.check_state import check_state
 from paddle_step.testing.greedy import greedy_reference
 from paddle_step.testing.sampling import limited
@@ -119,6 +120,25 @@ def test_allocator_hands_each_block_out_once() -> None:
 
 
 # ---------------------------------------------------------------- requests
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [({"temperature": "1"}, "'temperature': expected a finite number >= 0, got '1'"),
+     ({"temperature": float("inf")}, "'temperature': expected a finite number >= 0, got inf"),
+     ({"top_p": float("nan")}, "'top_p': expected a value in \\(0, 1\\], got nan"),
+     ({"min_p": None}, "'min_p': expected a value in \\[0, 1\\], got None"),
+     ({"presence_penalty": True}, "'presence_penalty': expected a value in \\[-2, 2\\]"),
+     ({"repetition_penalty": float("inf")}, "'repetition_penalty': expected a finite number > 0"),
+     ({"logit_bias": {5: float("nan")}}, "'logit_bias': expected a map of token ids to finite"),
+     ({"seed": -1}, "'seed': expected None or an int in \\[0, 2\\*\\*63\\), got -1"),
+     ({"seed": 2**64}, "'seed': expected None or an int in \\[0, 2\\*\\*63\\)")],
+)  # fmt: skip
+def test_sampling_params_refuse_values_that_are_not_finite_numbers(fields, message) -> None:
+    """A str, a bool, NaN or infinity is refused by name (a str used to fail on the
+    comparison; NaN and infinity passed)."""
+    with pytest.raises(ValueError, match=f"SamplingParams: argument {message}"):
+        SamplingParams(**fields)
 
 
 @pytest.mark.parametrize(

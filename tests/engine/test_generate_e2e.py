@@ -237,9 +237,12 @@ def test_example_reduces_max_model_len_to_the_kv_budget():
         (("--model", str(GOLDEN_LLAMA), "--chat"), "chat template"),
         (("--max-model-len", "100000"), "expected at most the model's context (256)"),
         (("--prompt", "word " * 300), "expected <= max_model_len (256)"),
+        (("--seed", "-1"), "--seed: expected an integer in [0, 2**63), got -1"),
+        (("--temperature", "inf"), "'temperature': expected a finite number >= 0, got inf"),
     ],
-    ids=["missing", "no-chat-template", "beyond-context", "prompt-too-long"],
-)
+    ids=["missing", "no-chat-template", "beyond-context", "prompt-too-long", "seed",
+         "temperature"],
+)  # fmt: skip
 def test_example_errors_are_one_clear_line(args, message):
     stderr = run_example_failing(*args, "--max-new-tokens", "4")
     assert message in stderr, stderr[-2000:]

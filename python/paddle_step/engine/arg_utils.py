@@ -170,6 +170,8 @@ def check_engine_arguments(parser: argparse.ArgumentParser, args: argparse.Names
         value = getattr(args, name)
         if value is not None and value <= 0:
             parser.error(f"--{name.replace('_', '-')}: expected > 0, got {value}")
+    if not 0 <= args.seed < 2**63:
+        parser.error(f"--seed: expected an integer in [0, 2**63), got {args.seed}")
     budget = args.max_num_batched_tokens
     if budget is not None and budget < args.max_batch:
         parser.error(

@@ -135,8 +135,12 @@ def columns(packed: PackedWeights, ids: paddle.Tensor) -> paddle.Tensor:
 
 def set_num_threads(threads: int) -> None:
     """Threads each product runs on, the caller's included (e.g. the cores of
-    ``os.sched_getaffinity(0)``, split across tensor-parallel ranks)."""
-    _library.cpu_linear_set_num_threads(threads)
+    ``os.sched_getaffinity(0)``, split across tensor-parallel ranks). Raises
+    ``ValueError`` when the system cannot start that many."""
+    try:
+        _library.cpu_linear_set_num_threads(threads)
+    except RuntimeError as error:  # std::thread's system_error: EAGAIN past the OS limit
+        raise ValueError(f"threads: could not start {threads} threads: {error}") from None
 
 
 def num_threads() -> int:
