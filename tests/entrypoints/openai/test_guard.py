@@ -62,6 +62,14 @@ def test_v1_needs_the_api_key(url, headers):
     check_serving(url)
 
 
+def test_the_bearer_scheme_is_case_insensitive(url):
+    body = {"model": "pydoc-tiny", "prompt": "A list is", "max_tokens": 3}
+    for scheme in ("bearer", "BEARER"):
+        response = post(url, body, headers={"Authorization": f"{scheme} {KEY}"})
+        assert response.status_code == 200, response.text
+    check_error(post(url, body, headers={"Authorization": f"Basic {KEY}"}), 401, "API key")
+
+
 def test_health_and_metrics_stay_open(url):
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
     metrics = httpx.get(f"{url}/metrics", timeout=10)

@@ -29,7 +29,7 @@ class RequestGuard:
     ) -> None:
         self.app = app
         self.loop = loop
-        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.expected = None if api_key is None else api_key.encode()
         self.max_request_bytes = max_request_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -38,7 +38,7 @@ class RequestGuard:
             return
         headers = dict(scope["headers"])
         if self.expected is not None and not hmac.compare_digest(
-            headers.get(b"authorization", b""), self.expected
+            _bearer_token(headers.get(b"authorization", b"")), self.expected
         ):
             error = ApiError("missing or wrong API key (Authorization: Bearer KEY)", status=401)
             await _answer(error, scope, receive, send, {"WWW-Authenticate": "Bearer"})
@@ -103,3 +103,10 @@ async def _answer(
     await JSONResponse(error.body(), status_code=error.status, headers=headers)(
         scope, receive, send
     )
+
+
+def _bearer_token(authorization: bytes) -> bytes:
+    """The credentials of a Bearer ``Authorization`` header; b"" for any other. The scheme
+    is case-insensitive (RFC 9110): ``bearer KEY`` counts."""
+    scheme, _, token = authorization.partition(b" ")
+    return token.strip(b" ") if scheme.lower() == b"bearer" else b""
