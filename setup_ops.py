@@ -45,29 +45,41 @@ REQUIREMENTS = os.path.join(ROOT, "requirements.txt")
 LIBRARY_NAME = "paddle_step_ops"
 
 
-def requirement_names(path):
-    """The distribution names in a requirements file (one plain requirement a line)."""
-    names = []
+def requirements(path):
+    """``(name, version specifier)`` of each line of a requirements file (one plain
+    requirement a line, such as ``numpy`` or ``llguidance>=1.0``)."""
+    found = []
     with open(path) as lines:
         for line in lines:
             line = line.split("#", 1)[0].strip()
             if line:
-                names.append(re.match(r"[A-Za-z0-9._-]+", line).group(0))
-    return names
+                name = re.match(r"[A-Za-z0-9._-]+", line).group(0)
+                found.append((name, line[len(name):].strip()))
+    return found
 
 
-def is_installed(name):
+def is_met(name, specifier):
+    """True when ``name`` is installed in a version ``specifier`` allows. Without the
+    packaging library to read a specifier, pip decides (it leaves met ones alone)."""
     try:
-        importlib.metadata.distribution(name)
+        version = importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return False
-    return True
+    if not specifier:
+        return True
+    try:
+        from packaging.specifiers import SpecifierSet
+    except ImportError:
+        return False
+    return SpecifierSet(specifier).contains(version, prereleases=True)
 
 
 def install_runtime_requirements(path):
-    """pip-installs the requirements file ``path`` when any of it is missing; exits with
-    the command to run by hand when pip fails (no registry reachable, say)."""
-    missing = [name for name in requirement_names(path) if not is_installed(name)]
+    """pip-installs the requirements file ``path`` when any of it is missing or in a
+    version it does not allow; exits with the command to run by hand when pip fails (no
+    registry reachable, say)."""
+    missing = [name + specifier for name, specifier in requirements(path)
+               if not is_met(name, specifier)]
     if not missing:
         return
     command = [sys.executable, "-m", "pip", "install", "-r", path]
@@ -106,6 +118,8 @@ def make_extension():
     # the Paddle glue (validation, entry points, registration).
     include_dirs = [os.path.join(OPS, "include"),
                     os.path.join(OPS, "paddle_glue")]
+    # An edited header rebuilds the library (setuptools compares them with its output).
+    headers = sorted(glob.glob(os.path.join(OPS, "*", "*.h")))
     # -fno-trapping-math: no code here reads floating-point exception flags, and
     # with them assumed observable GCC keeps loops with float compares (the
     # sampler's exp, max and cuts) scalar. Results do not change.
@@ -121,6 +135,7 @@ def make_extension():
         return CppExtension(
             sources=cc_sources,
             include_dirs=include_dirs,
+            depends=headers,
             extra_compile_args={"cxx": cxx_flags},
         )
     os.environ["CUDA_HOME"] = cuda_home
@@ -133,6 +148,7 @@ def make_extension():
     return CUDAExtension(
         sources=cc_sources + sorted(glob.glob(os.path.join(OPS, "gpu", "*.cu"))),
         include_dirs=include_dirs,
+        depends=headers,
         extra_compile_args={
             "cxx": cxx_flags + cuda_defines,
             "nvcc": ["-std=c++17", "-O3"] + cuda_defines + gencode_flags(),
@@ -145,7 +161,8 @@ class CleanInstallLib(install_lib):
     last install would otherwise stay importable from site-packages. Also drops the empty
     folders Paddle's build_ext leaves under build_lib/build/ (it writes the object files
     there and deletes them after linking), which would install as a package named
-    `build`, shadowing PyPA's."""
+    `build`, shadowing PyPA's, and its build record build_lib/version.txt (the flags it
+    compiled with), which would land at the top of site-packages."""
 
     def run(self):
         tree = os.path.join(self.build_dir, "build")
@@ -155,10 +172,14 @@ class CleanInstallLib(install_lib):
         if os.path.isdir(installed):
             shutil.rmtree(installed)
         super().run()
+        record = os.path.join(self.install_dir, "version.txt")
+        if os.path.isfile(os.path.join(self.build_dir, "version.txt")) and os.path.isfile(record):
+            os.remove(record)
 
 
 def main():
-    if {"install", "develop"} & set(sys.argv[1:]):
+    arguments = set(sys.argv[1:])
+    if {"install", "develop"} & arguments and not {"--help", "-h"} & arguments:
         install_runtime_requirements(REQUIREMENTS)
     setup(
         name=LIBRARY_NAME,

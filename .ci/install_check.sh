@@ -6,7 +6,8 @@
 #     the package from the environment's site-packages;
 #   - examples/generate.py (in the block) runs;
 #   - no file but our op library carries Paddle's _pd_ suffix and no egg but ours exists
-#     (Paddle's installer renames the native modules of every egg it installs);
+#     (Paddle's installer renames the native modules of every egg it installs), and no
+#     version.txt (Paddle's build record) lands at the top of site-packages;
 #   - python -m paddle_step.serve answers /health.
 #
 #   .ci/install_check.sh VENV PADDLE_PACKAGE    e.g. .venv-install paddlepaddle==3.3.1
@@ -70,7 +71,10 @@ eggs = sorted(
     path.name for root in site for path in root.glob("*.egg") if not path.name.startswith(ours)
 )
 assert not eggs, f"eggs installed: {eggs}"
-print(f"install-check: imports from {where.parent}; no foreign _pd_ file, no foreign egg")
+# Paddle's build record (the compile flags) stays in the build folder.
+records = sorted(str(root / "version.txt") for root in site if (root / "version.txt").exists())
+assert not records, f"build records installed: {records}"
+print(f"install-check: imports from {where.parent}; no foreign _pd_ file, egg or build record")
 EOF
 )
 

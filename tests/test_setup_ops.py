@@ -1,5 +1,5 @@
-"""setup_ops.py's dependency step: pip runs only when a runtime requirement is missing,
-with requirements.txt, and a failed pip stops the install with one line to run by hand."""
+"""setup_ops.py's dependency step: pip runs only when a runtime requirement is missing
+(or installed in a version its pin excludes), with requirements.txt, and a failed pip stops the install with one line to run by hand."""
 
 import importlib.util
 import subprocess
@@ -25,11 +25,25 @@ def requirements(tmp_path, text):
     return str(path)
 
 
-def test_requirement_names(setup_ops, tmp_path):
+def test_requirements(setup_ops, tmp_path):
     path = requirements(
         tmp_path, "# runtime\nnumpy>=1.24\n\nJinja2  # templates\nprometheus-client\n"
     )
-    assert setup_ops.requirement_names(path) == ["numpy", "Jinja2", "prometheus-client"]
+    assert setup_ops.requirements(path) == [
+        ("numpy", ">=1.24"), ("Jinja2", ""), ("prometheus-client", "")
+    ]  # fmt: skip
+
+
+def test_an_installed_version_the_pin_excludes_runs_pip(setup_ops, tmp_path, monkeypatch):
+    """pytest is installed, but not in a version >= 1000: pip gets the file (it upgrades
+    what is unmet and leaves the rest); one the pin allows runs no pip."""
+    commands = []
+    monkeypatch.setattr(setup_ops.subprocess, "call", lambda command: commands.append(command) or 0)
+    setup_ops.install_runtime_requirements(requirements(tmp_path, "pytest>=1\n"))
+    assert commands == []
+    path = requirements(tmp_path, "numpy\npytest>=1000\n")
+    setup_ops.install_runtime_requirements(path)
+    assert commands == [[sys.executable, "-m", "pip", "install", "-r", path]]
 
 
 def test_nothing_missing_runs_no_pip(setup_ops, tmp_path, monkeypatch):
@@ -69,3 +83,9 @@ def test_pip_failure_stops_with_one_line(tmp_path):
         f"`{sys.executable} -m pip install -r {path}` where a package index is reachable, "
         "then `python setup_ops.py install` again"
     )
+
+
+def test_every_header_is_a_dependency_of_the_library(setup_ops):
+    """An edited header rebuilds the library: setuptools compares ``depends`` with it."""
+    headers = {str(path) for path in (REPO / "ops").glob("*/*.h")}
+    assert headers and headers <= set(setup_ops.make_extension().depends)
