@@ -400,6 +400,15 @@ REFUSED_CONFIGS = {
     "mlp bias": (dict(mlp_bias=True), "mlp_bias"),
     "missing field": (dict(hidden_size=None), "hidden_size"),
     "bad heads": (dict(num_key_value_heads=3), "num_heads"),
+    # Named once: a field's own refusal is not wrapped in another "config.json: ".
+    "zero layers": (
+        dict(num_hidden_layers=0),
+        "^config.json: field 'num_hidden_layers': expected a positive int, got 0$",
+    ),
+    "eps a string": (
+        dict(rms_norm_eps="x"),
+        "field 'rms_norm_eps': expected a positive number, got 'x'",
+    ),
 }
 
 
@@ -409,6 +418,13 @@ def test_unsupported_configs_are_refused(tmp_path, case) -> None:
     path = copy_checkpoint(tmp_path, "llama-tiny")
     edit_config(path, **changes)
     with pytest.raises(CheckpointError, match=fragment):
+        load_checkpoint(path)
+
+
+def test_a_config_that_is_not_a_json_object_is_refused(tmp_path) -> None:
+    path = copy_checkpoint(tmp_path, "llama-tiny")
+    (path / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="config.json: expected a JSON object, got list"):
         load_checkpoint(path)
 
 

@@ -11,6 +11,7 @@ found and what is supported.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,9 +31,12 @@ def read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{path.parent}: no {path.name}")
     try:
-        return json.loads(path.read_text())
+        parsed = json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise CheckpointError(f"{path}: not valid JSON: {error}") from None
+    if not isinstance(parsed, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(parsed).__name__}")
+    return parsed
 
 
 def _require(config: Mapping[str, Any], key: str) -> Any:
@@ -46,6 +50,15 @@ def _positive_int(config: Mapping[str, Any], key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise CheckpointError(f"config.json: field {key!r}: expected a positive int, got {value!r}")
     return value
+
+
+def _positive_float(config: Mapping[str, Any], key: str, default: float) -> float:
+    value = config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise CheckpointError(
+            f"config.json: field {key!r}: expected a positive number, got {value!r}"
+        )
+    return float(value)
 
 
 def _rope_settings(config: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
@@ -171,7 +184,7 @@ def model_config_from_hf(config: Mapping[str, Any], dtype: str = "float32") -> M
             num_kv_heads=num_kv_heads,
             intermediate_size=_positive_int(config, "intermediate_size"),
             rope_theta=rope_theta,
-            rms_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rms_eps=_positive_float(config, "rms_norm_eps", 1e-6),
             dtype=dtype,
             explicit_head_dim=None if head_dim is None else int(head_dim),
             qkv_bias=architecture == "Qwen2ForCausalLM" or attention_bias,
@@ -180,5 +193,7 @@ def model_config_from_hf(config: Mapping[str, Any], dtype: str = "float32") -> M
             rope_scaling=rope_scaling,
             max_position_embeddings=context,
         )
-    except ValueError as error:
+    except CheckpointError:  # names its field already
+        raise
+    except ValueError as error:  # ModelConfig's own checks (heads, dims)
         raise CheckpointError(f"config.json: {error}") from None
