@@ -78,7 +78,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--num-requests",
         type=int,
         default=0,
-        help="add N random prompts of varied length (seeded by --seed)",
+        help="N random prompts of varied length (seeded by --seed), after any --prompt; "
+        "the built-in prompts run only when neither is given",
     )
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -94,7 +95,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--naive",
         action="store_true",
-        help="decode without a cache by full recompute (the reference)",
+        help="decode without a cache by full recompute (the reference); the engine's "
+        "cache and scheduling flags do not apply",
     )
     parser.add_argument(
         "--json",
@@ -110,6 +112,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--max-new-tokens: expected > 0, got {args.max_new_tokens}")
     if args.naive and args.tp != 1:
         parser.error(f"--naive: runs in one process, expected --tp 1, got --tp {args.tp}")
+    if args.naive:  # flags that change only what the engine does: refused, not ignored
+        engine_only = [flag for flag, given in [
+            ("--check-state", args.check_state),
+            ("--kv-cache-dtype", args.kv_cache_dtype != "auto"),
+            ("--max-num-batched-tokens", args.max_num_batched_tokens is not None),
+        ] if given]  # fmt: skip
+        if engine_only:
+            parser.error(f"--naive: decodes without the engine, got {', '.join(engine_only)}")
+    for prompt in args.prompt:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as error:  # bytes the shell passed that are not UTF-8
+            parser.error(f"--prompt: expected UTF-8 text, got {prompt!r} ({error.reason})")
     return args
 
 

@@ -1,5 +1,6 @@
 """setup_ops.py's dependency step: pip runs only when a runtime requirement is missing
-(or installed in a version its pin excludes), with requirements.txt, and a failed pip stops the install with one line to run by hand."""
+(or installed in a version its pin excludes), with requirements.txt, and a failed pip
+stops the install with one line to run by hand. Every header is a build dependency."""
 
 import importlib.util
 import subprocess

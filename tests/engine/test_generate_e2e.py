@@ -239,9 +239,12 @@ def test_example_reduces_max_model_len_to_the_kv_budget():
         (("--prompt", "word " * 300), "expected <= max_model_len (256)"),
         (("--seed", "-1"), "--seed: expected an integer in [0, 2**63), got -1"),
         (("--temperature", "inf"), "'temperature': expected a finite number >= 0, got inf"),
+        (("--naive", "--check-state"), "--naive: decodes without the engine, got --check-state"),
+        # Bytes that are not UTF-8 reach Python as lone surrogates (and the child as bytes).
+        (("--prompt", "a\udcffb"), "--prompt: expected UTF-8 text, got 'a\\udcffb'"),
     ],
     ids=["missing", "no-chat-template", "beyond-context", "prompt-too-long", "seed",
-         "temperature"],
+         "temperature", "naive-engine-flag", "not-utf8"],
 )  # fmt: skip
 def test_example_errors_are_one_clear_line(args, message):
     stderr = run_example_failing(*args, "--max-new-tokens", "4")
