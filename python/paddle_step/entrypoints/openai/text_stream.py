@@ -26,6 +26,11 @@ class TextStream:
     def __init__(self, detokenizer: Detokenizer, stops: Sequence[str] = ()) -> None:
         self._detokenizer = detokenizer
         self._stops = list(stops)
+        # Per stop string: the longest prefix of it that the text ends with, kept up to
+        # date a character at a time (Knuth-Morris-Pratt), so a token costs the length of
+        # its text per stop string, not the stop strings' lengths squared.
+        self._fallbacks = [_prefix_function(stop) for stop in self._stops]
+        self._matched = [0] * len(self._stops)
         self._text = ""  # decoded so far, held-back tail included
         self._emitted = 0  # characters of _text already returned
         self.num_tokens = 0
@@ -47,7 +52,8 @@ class TextStream:
                 self._text = self._text[:index]
                 self.stopped = True
                 return self._take(len(self._text))
-        return self._take(len(self._text) - self._stop_prefix_length())
+        self._follow(piece)
+        return self._take(len(self._text) - max(self._matched, default=0))
 
     def finish(self) -> str:
         """The text still held back, once no token will follow."""
@@ -55,18 +61,34 @@ class TextStream:
             self._text += self._detokenizer.flush()
         return self._take(len(self._text))
 
-    def _stop_prefix_length(self) -> int:
-        """Length of the longest tail of the text that begins some stop string."""
-        text, longest = self._text, 0
-        for stop in self._stops:
-            for length in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:length]):
-                    longest = length
-                    break
-        return longest
+    def _follow(self, piece: str) -> None:
+        """Extends each stop string's match by ``piece`` (which completes none of them:
+        ``add`` has looked for whole ones first)."""
+        for index, stop in enumerate(self._stops):
+            fallback, matched = self._fallbacks[index], self._matched[index]
+            for char in piece:
+                while matched and stop[matched] != char:
+                    matched = fallback[matched - 1]
+                if stop[matched] == char:
+                    matched += 1
+                if matched == len(stop):  # only if add's search missed it; stay a prefix
+                    matched = fallback[matched - 1]
+            self._matched[index] = matched
 
     def _take(self, end: int) -> str:
         end = max(end, self._emitted)
         delta = self._text[self._emitted : end]
         self._emitted = end
         return delta
+
+
+def _prefix_function(text: str) -> list[int]:
+    """For each i, the length of the longest proper prefix of ``text[: i + 1]`` that is
+    also its suffix (Knuth-Morris-Pratt's failure function)."""
+    lengths = [0] * len(text)
+    for i in range(1, len(text)):
+        length = lengths[i - 1]
+        while length and text[i] != text[length]:
+            length = lengths[length - 1]
+        lengths[i] = length + (text[i] == text[length])
+    return lengths
