@@ -122,6 +122,15 @@ def test_allocator_hands_each_block_out_once() -> None:
 # ---------------------------------------------------------------- requests
 
 
+@pytest.mark.parametrize("eos", [[259], [-1], list(range(9))])
+def test_engine_eos_ids_outside_the_vocabulary_or_too_many_are_refused(
+    model: LlamaForCausalLM, eos
+) -> None:
+    config = EngineConfig(max_batch=2, max_model_len=16, block_size=4, num_kv_blocks=10)
+    with pytest.raises(ValueError, match="'eos_token_ids': expected at most 8 ids in \\[0, 259\\)"):
+        Engine(model, config, eos_token_ids=eos)
+
+
 @pytest.mark.parametrize(
     "fields,message",
     [({"temperature": "1"}, "'temperature': expected a finite number >= 0, got '1'"),

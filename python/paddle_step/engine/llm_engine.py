@@ -46,7 +46,7 @@ from .block_allocator import EncoderBlockAllocator
 from .cpu_threads import default_threads, set_compute_threads
 from .model_runner import ModelRunner
 from .outputs import GenerationResult, GenerationStats, StepOutcome, StepToken, TokenLogprobs
-from .request import Request, check_params_type
+from .request import MAX_EOS_IDS, Request, check_params_type
 from .scheduler import AbortedRequest, Scheduler, StepLogprobs
 from .slot_state import ShareInputs
 
@@ -98,6 +98,13 @@ class Engine:
         if eos_token_ids is None:
             eos_token_ids = [tokenizer.eos_id] if tokenizer is not None else []
         self.eos_token_ids = tuple(int(token) for token in eos_token_ids)
+        vocab_size = model.config.vocab_size
+        outside = [token for token in self.eos_token_ids if not 0 <= token < vocab_size]
+        if outside or len(self.eos_token_ids) > MAX_EOS_IDS:
+            raise ValueError(  # one past the vocabulary would never end a request
+                f"Engine: argument 'eos_token_ids': expected at most {MAX_EOS_IDS} ids in "
+                f"[0, {vocab_size}), got {list(self.eos_token_ids)}"
+            )
         self.scheduler = Scheduler(config)
         self.runner = ModelRunner(model, config)
         if self.runner.state.place.is_cpu_place():
