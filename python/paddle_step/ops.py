@@ -8,6 +8,8 @@ registered ``static_op_*`` op to the program. Both run the same kernels.
 
 from __future__ import annotations
 
+import numbers
+
 import paddle
 
 import paddle_step_ops as _library
@@ -22,6 +24,23 @@ def _describe(tensors):
     return [(str(tensor.dtype), list(tensor.shape)) for tensor in tensors]
 
 
+def _argument_type_error(op, names, values, error):
+    """The TypeError of a call pybind11 refused: the first argument of the wrong kind by
+    name (pybind11's own message lists every signature and dumps the tensors); ``error``
+    itself when every argument has its kind. Only on the failure path: the call itself
+    stays one pybind11 dispatch."""
+    for name, value in zip(names, values):
+        if name in ("block_size", "encoder_decoder_block_num", "num_seqs", "num_queries"):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                return TypeError(f"{op}: argument '{name}': expected an int, got "
+                                 f"{type(value).__name__}")  # fmt: skip
+        elif not isinstance(value, paddle.Tensor) and not (name == "active" and value is None):
+            expected = "a paddle.Tensor or None" if name == "active" else "a paddle.Tensor"
+            return TypeError(f"{op}: argument '{name}': expected {expected}, got "
+                             f"{type(value).__name__}")  # fmt: skip
+    return error
+
+
 def _write_back(targets, results):
     # In a static program an in-place op yields new values; assigning them to
     # the input variables makes the update visible to the caller, as in
@@ -32,6 +51,10 @@ def _write_back(targets, results):
         result.stop_gradient = True
         paddle.assign(result, output=target)
 
+
+_ADVANCE_STEP_ARGUMENTS = ("input_tokens", "sampled_token_ids", "input_positions", "seq_lens",
+                           "slot_mapping", "block_tables", "active", "num_seqs", "num_queries",
+                           "block_size")  # fmt: skip
 
 # The ops' argument lists stay packed (fmt: off): one name per line would spread each op's
 # three lists of the same names over 80 lines.
@@ -49,12 +72,23 @@ def step_paddle(stop_flags, seq_lens_this_time, ori_seq_lens_encoder, seq_lens_e
     """
     if _in_dynamic_mode():
         # The arguments passed as they came: no tuple on the hot path.
-        _library.step_paddle(
-            stop_flags, seq_lens_this_time, ori_seq_lens_encoder, seq_lens_encoder,
-            seq_lens_decoder, block_tables, encoder_block_lens, is_block_step, step_block_list,
-            step_lens, recover_block_list, recover_lens, need_block_list, need_block_len,
-            used_list_len, free_list, free_list_len, input_ids, pre_ids, step_idx, next_tokens,
-            first_token_ids, block_size, encoder_decoder_block_num)
+        try:
+            _library.step_paddle(
+                stop_flags, seq_lens_this_time, ori_seq_lens_encoder, seq_lens_encoder,
+                seq_lens_decoder, block_tables, encoder_block_lens, is_block_step,
+                step_block_list, step_lens, recover_block_list, recover_lens, need_block_list,
+                need_block_len, used_list_len, free_list, free_list_len, input_ids, pre_ids,
+                step_idx, next_tokens, first_token_ids, block_size, encoder_decoder_block_num)
+        except (TypeError, RuntimeError) as error:  # pybind11's: no overload, no cast
+            raise _argument_type_error(
+                "paddle_step.step_paddle",
+                (*STEP_PADDLE_TENSORS, "block_size", "encoder_decoder_block_num"),
+                (stop_flags, seq_lens_this_time, ori_seq_lens_encoder, seq_lens_encoder,
+                 seq_lens_decoder, block_tables, encoder_block_lens, is_block_step,
+                 step_block_list, step_lens, recover_block_list, recover_lens, need_block_list,
+                 need_block_len, used_list_len, free_list, free_list_len, input_ids, pre_ids,
+                 step_idx, next_tokens, first_token_ids, block_size, encoder_decoder_block_num),
+                error) from None
         return None
     tensors = (stop_flags, seq_lens_this_time, ori_seq_lens_encoder, seq_lens_encoder,
                seq_lens_decoder, block_tables, encoder_block_lens, is_block_step,
@@ -81,9 +115,15 @@ def advance_step(input_tokens, sampled_token_ids, input_positions, seq_lens, slo
     are padding (token 0, position 0, slot -1). Returns None.
     """
     if _in_dynamic_mode():
-        _library.advance_step(input_tokens, sampled_token_ids, input_positions, seq_lens,
-                              slot_mapping, block_tables, active, num_seqs, num_queries,
-                              block_size)
+        try:
+            _library.advance_step(input_tokens, sampled_token_ids, input_positions, seq_lens,
+                                  slot_mapping, block_tables, active, num_seqs, num_queries,
+                                  block_size)
+        except (TypeError, RuntimeError) as error:  # pybind11's: no overload, no cast
+            raise _argument_type_error(
+                "paddle_step.advance_step", _ADVANCE_STEP_ARGUMENTS,
+                (input_tokens, sampled_token_ids, input_positions, seq_lens, slot_mapping,
+                 block_tables, active, num_seqs, num_queries, block_size), error) from None
         return None
     tensors = (input_tokens, sampled_token_ids, input_positions, seq_lens, slot_mapping,
                block_tables)

@@ -128,3 +128,18 @@ def test_bad_input_raises_in_static_mode():
             tensors["slot_mapping"],
             tensors["block_tables"],
         )
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [({"seq_lens": np.zeros(4, np.int32)}, "'seq_lens': expected a paddle.Tensor, got ndarray"),
+     ({"active": [True] * 4}, "'active': expected a paddle.Tensor or None, got list"),
+     ({"block_size": 16.0}, "'block_size': expected an int, got float")],
+)  # fmt: skip
+def test_an_argument_of_the_wrong_kind_is_named(overrides, message):
+    """pybind11 alone answers with every signature it knows and the tensors' contents."""
+    arguments = dict(valid_tensors(), num_seqs=4, num_queries=3, block_size=16, active=None)
+    arguments.update(overrides)
+    with pytest.raises(TypeError) as raised:
+        paddle_step.advance_step(**arguments)
+    assert str(raised.value) == f"paddle_step.advance_step: argument {message}"

@@ -133,3 +133,18 @@ def test_bad_input_raises_in_static_mode():
 
     with pytest.raises(ValueError, match="argument 'used_list_len': expected dtype int32"):
         step(tensors)
+
+
+@pytest.mark.parametrize(
+    "position,value,message",
+    [(5, None, "'block_tables': expected a paddle.Tensor, got NoneType"),
+     (22, "4", "'block_size': expected an int, got str")],
+)  # fmt: skip
+def test_an_argument_of_the_wrong_kind_is_named(position, value, message):
+    """pybind11 alone answers with every signature it knows and the tensors' contents."""
+    state = valid_state()
+    arguments = [paddle.to_tensor(state[name]) for name in STEP_PADDLE_TENSORS] + [4, 0]
+    arguments[position] = value
+    with pytest.raises(TypeError) as raised:
+        paddle_step.step_paddle(*arguments)
+    assert str(raised.value) == f"paddle_step.step_paddle: argument {message}"
