@@ -203,12 +203,17 @@ class EngineConfig:
                 f"EngineConfig.kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, "
                 f"got {self.kv_cache_dtype!r}"
             )
-        if not isinstance(self.enc_dec_block_num, int) or self.enc_dec_block_num < 0:
+        if (
+            not isinstance(self.enc_dec_block_num, int)
+            or isinstance(self.enc_dec_block_num, bool)
+            or self.enc_dec_block_num < 0
+        ):
             raise ValueError(
                 "EngineConfig.enc_dec_block_num: expected an int >= 0, "
                 f"got {self.enc_dec_block_num!r}"
             )
-        if not 0.0 < self.decoder_pool_ratio < 1.0:
+        ratio = self.decoder_pool_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < ratio < 1.0:
             raise ValueError(
                 "EngineConfig.decoder_pool_ratio: expected a float in (0, 1), "
                 f"got {self.decoder_pool_ratio!r}"

@@ -81,6 +81,7 @@ def test_config_derived_sizes() -> None:
         (dict(max_model_len=30), "max_model_len: expected a multiple of block_size"),
         (dict(num_kv_blocks=14), "decoder pool holds 7 blocks.*at least .* = 8"),
         (dict(decoder_pool_ratio=1.0), "decoder_pool_ratio: expected a float in \\(0, 1\\)"),
+        (dict(decoder_pool_ratio="0.5"), "decoder_pool_ratio: expected a float in \\(0, 1\\)"),
         (dict(enc_dec_block_num=-1), "enc_dec_block_num: expected an int >= 0"),
         (dict(num_kv_blocks=20, decoder_pool_ratio=0.95), "encoder region holds 1 blocks"),
     ],

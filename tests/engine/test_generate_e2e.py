@@ -232,7 +232,9 @@ def test_example_reduces_max_model_len_to_the_kv_budget():
 @pytest.mark.parametrize(
     "args,message",
     [
-        (("--model", "/nonexistent/checkpoint"), "expected a directory"),
+        (("--model", "/nonexistent/checkpoint"),
+         "--model: expected a checkpoint directory or 'random', got '/nonexistent/checkpoint'"),
+        (("--model", ""), "--model: expected a checkpoint directory or 'random', got ''"),
         # The golden checkpoint's tokenizer_config.json has no chat template.
         (("--model", str(GOLDEN_LLAMA), "--chat"), "chat template"),
         (("--max-model-len", "100000"), "expected at most the model's context (256)"),
@@ -243,7 +245,7 @@ def test_example_reduces_max_model_len_to_the_kv_budget():
         # Bytes that are not UTF-8 reach Python as lone surrogates (and the child as bytes).
         (("--prompt", "a\udcffb"), "--prompt: expected UTF-8 text, got 'a\\udcffb'"),
     ],
-    ids=["missing", "no-chat-template", "beyond-context", "prompt-too-long", "seed",
+    ids=["missing", "empty-model", "no-chat-template", "beyond-context", "prompt-too-long", "seed",
          "temperature", "naive-engine-flag", "not-utf8"],
 )  # fmt: skip
 def test_example_errors_are_one_clear_line(args, message):

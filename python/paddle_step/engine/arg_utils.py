@@ -156,6 +156,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_engine_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``parser.error`` for flag values no engine can take."""
+    if not args.model or (args.model != RANDOM_MODEL and not Path(args.model).is_dir()):
+        parser.error(
+            f"--model: expected a checkpoint directory or '{RANDOM_MODEL}', got {args.model!r}"
+        )
     if not 0 < args.decoder_pool_ratio < 1:
         parser.error(f"--decoder-pool-ratio: expected in (0, 1), got {args.decoder_pool_ratio}")
     if args.quantization is not None and args.dtype == "float64":

@@ -26,11 +26,23 @@ def test_a_port_out_of_range_is_refused_before_loading(port):
     """bind() would raise only after the model loaded, with a traceback (and the engine
     process, which ignores SIGTERM, kept the interpreter from exiting)."""
     done = subprocess.run(
-        [sys.executable, "-m", "paddle_step.serve", "--model", "no/such/dir", "--port", port],
+        [sys.executable, "-m", "paddle_step.serve", "--model", "random", "--port", port],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == (
         f"python -m paddle_step.serve: error: argument --port: expected an integer in "
         f"[0, 65535], got {port}"
+    )
+
+
+def test_a_model_that_is_not_a_directory_is_refused_before_loading():
+    done = subprocess.run(
+        [sys.executable, "-m", "paddle_step.serve", "--model", "no/such/dir"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "python -m paddle_step.serve: error: --model: expected a checkpoint directory or "
+        "'random', got 'no/such/dir'"
     )
