@@ -65,8 +65,9 @@ class RequestHandle:
     - ``("prompt_logprobs", entries)``, when the request asked for them: per prompt
       position after the first, ``(logprob, [(id, logprob), ..])``, the prompt token's
       logprob and the asked number of most likely tokens;
-    - ``("token", (sample, token_id, logprobs))`` per generated token of sample ``sample``
-      (0 .. best_of-1), ``logprobs`` in the form above or None when not asked;
+    - ``("token", (sample, token_id, logprobs, finish_reason))`` per generated token of
+      sample ``sample`` (0 .. best_of-1), ``logprobs`` in the form above or None when not
+      asked, ``finish_reason`` when this token ended the sample (else None);
     - then one ``("finish", returned)``: the samples to answer with, in choice order, as
       ``(sample, finish_reason)`` (the ``n`` best of ``best_of``); or one ``("error",
       RequestError)``.

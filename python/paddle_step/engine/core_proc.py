@@ -97,7 +97,8 @@ def run_engine(args: argparse.Namespace, commands, events) -> None:
                                       in engine.last_step_prompt_logprobs.items()
                                       if request_id in keys]  # fmt: skip
             output.tokens = [(keys[token.request_id],
-                              (token.index, token.token_id, _logprobs(token.logprobs)))
+                              (token.index, token.token_id, _logprobs(token.logprobs),
+                               token.finish_reason))
                              for token in engine.last_step_outputs
                              if token.request_id in keys]  # fmt: skip
             for token in engine.last_step_outputs:

@@ -439,11 +439,13 @@ async def _relay(
         if run.finished:
             continue
         if kind == "token":
-            sample, token_id, logprobs = value
+            sample, token_id, logprobs, finish_reason = value
             choice = run.samples[sample]
             if choice.done:  # a stop string already ended it
                 continue
             yield run, choice, choice.add(token_id, logprobs)
+            if finish_reason is not None and not choice.done:  # its last token
+                yield run, choice, choice.finish(finish_reason)
             if all(choice.done for choice in run.samples.values()):
                 # Every sample stopped on a stop string: the engine need not go on.
                 _abort_all(loop, [run])
@@ -459,9 +461,8 @@ async def _relay(
             run.handle.done = True
             reasons = dict(value)
             run.returned = _returned_choices(run, [sample for sample, _reason in value])
-            for choice in run.returned:
-                reason = reasons.get(choice.sample) or _unreported_reason(run, choice)
-                yield run, choice, choice.finish(reason)
+            for choice in run.returned:  # each has ended on its last token already
+                yield run, choice, choice.finish(reasons.get(choice.sample, "stop"))
             run.finished = True
             pending -= 1
         else:  # "error": the engine refused the request, or failed
@@ -486,12 +487,6 @@ def _cumulative_logprob(choice: _Choice) -> float:
     return sum(logprob for logprob, _top in choice.logprobs)
 
 
-def _unreported_reason(run: _Run, choice: _Choice) -> str:
-    """Why a draw the engine did not return ended: the engine reports only its own best
-    of ``best_of``, and a draw ends at ``max_tokens`` or on an eos or stop token."""
-    return "length" if len(choice.token_ids) >= run.params.max_tokens else "stop"
-
-
 async def _sse(
     loop: EngineLoop, runs: list[_Run], events: asyncio.Queue, fmt: _Format, include_usage: bool
 ) -> AsyncIterator[str]:
@@ -505,6 +500,7 @@ async def _sse(
             if run.index not in held:
                 for chunk in fmt.first_chunks(run):
                     yield _event(chunk)
+        ended: set[int] = set()  # the choices whose finish chunk has gone out (ids)
         async for run, choice, delta in _relay(loop, runs, events):
             if choice is None:
                 if run.index in held:
@@ -512,11 +508,17 @@ async def _sse(
                         yield _event(chunk)
                     for event in held.pop(run.index):
                         yield event
-            elif delta or choice.unsent_logprobs:
-                event = fmt.text_event(choice, delta)
-                if run.index in held:
-                    held[run.index].append(event)
-                else:
+                continue
+            out = []
+            if delta or choice.unsent_logprobs:
+                out.append(fmt.text_event(choice, delta))
+            if choice.done and id(choice) not in ended:  # as at OpenAI: when it ends
+                ended.add(id(choice))
+                out.append(_event(fmt.chunk(choice, "", choice.finish_reason)))
+            if run.index in held:
+                held[run.index] += out
+            else:
+                for event in out:
                     yield event
         error = next((run.error for run in runs if run.error is not None), None)
         if error is not None:
@@ -526,7 +528,8 @@ async def _sse(
                 for event in held.pop(run.index, []):
                     yield event
                 for choice in run.returned:
-                    yield _event(fmt.chunk(choice, "", choice.finish_reason))
+                    if id(choice) not in ended:  # one that never ran (max_tokens 0)
+                        yield _event(fmt.chunk(choice, "", choice.finish_reason))
             if include_usage:
                 yield _event(fmt.envelope(fmt.chunk_object, [], usage=fmt.usage(runs)))
         yield "data: [DONE]\n\n"
