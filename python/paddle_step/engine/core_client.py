@@ -168,6 +168,8 @@ class EngineLoop:
         """Stops the engine process (killed if it does not exit within ``timeout``)."""
         self._stopping = True
         self.refuse_new("the server is shutting down")
+        if self._process.pid is None:  # never started (interrupted before)
+            return
         self._send(Stop())
         self._process.join(timeout)
         if self._process.is_alive():

@@ -34,6 +34,9 @@ def run_engine(args: argparse.Namespace, commands, events) -> None:
     """
     from .arg_utils import build_engine
 
+    # Ctrl-C reaches the whole process group: while the model loads, the server stops
+    # this process itself (paddle's import would otherwise print a crash report).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         engine, loaded = build_engine(args)
     except Exception as error:  # noqa: BLE001 - sent to the server, which raises it
@@ -42,7 +45,8 @@ def run_engine(args: argparse.Namespace, commands, events) -> None:
     # The server owns this process's lifetime: it stops it with a command, or by closing
     # the pipe (its own death included). Ctrl-C and a supervisor's SIGTERM reach the whole
     # process group; ignoring them here lets the server drain its running requests first
-    # (and paddle's own handler would print a crash report for an ordinary shutdown).
+    # (and paddle's own handler, installed by its import, would print a crash report for
+    # an ordinary shutdown).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     config = engine.config

@@ -11,13 +11,15 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
 import pytest
 
 from paddle_step.testing.faulty_serve import FAULT_VARIABLE
-from paddle_step.testing.server_process import descendants, metrics, spawn_server
+from paddle_step.testing.server_process import descendants, free_port, metrics, spawn_server
 
 # The shipped model; 8 slots, so the 10 requests below run together.
 FLAGS = ["--max-batch", "16", "--max-model-len", "256", "--kv-blocks", "400"]
@@ -235,3 +237,29 @@ def test_ctrl_c_exits_without_a_traceback_leaving_no_process():
         assert server.process.wait(60) in (0, 130), server.log()
         assert "Traceback" not in server.log(), server.log()
         check_no_orphans(children)
+
+
+@pytest.mark.parametrize("after_s", [0.3, 1.0])
+def test_ctrl_c_while_the_model_loads_exits_without_a_traceback(tmp_path, after_s):
+    """Ctrl-C (SIGINT to the process group) before the server serves: the server stops
+    its engine process, which ignores the signal while it loads (paddle's handler would
+    print a crash report), and exits quietly; nothing is left behind."""
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "paddle_step.serve", "--port", str(free_port())],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )  # fmt: skip
+    try:
+        time.sleep(after_s)
+        children = descendants(process.pid)
+        os.killpg(process.pid, signal.SIGINT)
+        assert process.wait(60) in (0, 130), log_path.read_text()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+    output = log_path.read_text()
+    assert "Traceback" not in output and "SignalInfo" not in output, output
+    check_no_orphans(children)

@@ -115,6 +115,9 @@ def build_app(args: argparse.Namespace):
         loop.start()
     except RuntimeError as error:
         raise ValueError(str(error)) from None
+    except KeyboardInterrupt:  # Ctrl-C while the model loads: nothing to drain yet
+        loop.stop(timeout=0)
+        raise
     name = args.served_model_name or loop.info["name"]
     print(
         f"paddle_step.serve: model {name}, {loop.info['threads']} CPU threads per engine, "
@@ -169,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
             follower.start()
     except (ValueError, RuntimeError) as error:  # a checkpoint or budget it cannot run
         raise SystemExit(f"paddle_step.serve: {error}") from None
+    except KeyboardInterrupt:  # Ctrl-C before serving (build_app stopped the engine)
+        raise SystemExit(130) from None
     if rank != 0:
         follower.wait()
         return
