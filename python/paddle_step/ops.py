@@ -34,6 +34,8 @@ def _argument_type_error(op, names, values, error):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 return TypeError(f"{op}: argument '{name}': expected an int, got "
                                  f"{type(value).__name__}")  # fmt: skip
+            if not -(2**63) <= value < 2**63:
+                return ValueError(f"{op}: argument '{name}': expected an int64, got {value}")
         elif not isinstance(value, paddle.Tensor) and not (name == "active" and value is None):
             expected = "a paddle.Tensor or None" if name == "active" else "a paddle.Tensor"
             return TypeError(f"{op}: argument '{name}': expected {expected}, got "

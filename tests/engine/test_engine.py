@@ -123,13 +123,19 @@ def test_allocator_hands_each_block_out_once() -> None:
 # ---------------------------------------------------------------- requests
 
 
-@pytest.mark.parametrize("eos", [[259], [-1], list(range(9))])
+@pytest.mark.parametrize("eos", [[259], [-1], list(range(9)), ["5"], [5.5], [True]])
 def test_engine_eos_ids_outside_the_vocabulary_or_too_many_are_refused(
     model: LlamaForCausalLM, eos
 ) -> None:
     config = EngineConfig(max_batch=2, max_model_len=16, block_size=4, num_kv_blocks=10)
     with pytest.raises(ValueError, match="'eos_token_ids': expected at most 8 ids in \\[0, 259\\)"):
         Engine(model, config, eos_token_ids=eos)
+
+
+def test_engine_takes_one_eos_id_as_an_int(model: LlamaForCausalLM) -> None:
+    """A config.json's eos_token_id may be a bare int."""
+    config = EngineConfig(max_batch=2, max_model_len=16, block_size=4, num_kv_blocks=10)
+    assert Engine(model, config, eos_token_ids=np.int64(7)).eos_token_ids == (7,)
 
 
 @pytest.mark.parametrize(

@@ -40,7 +40,8 @@ def run_engine(args: argparse.Namespace, commands, events) -> None:
     try:
         engine, loaded = build_engine(args)
     except Exception as error:  # noqa: BLE001 - sent to the server, which raises it
-        events.send(EngineFailed(f"{type(error).__name__}: {error}", traceback.format_exc()))
+        reason = str(error) or ("out of memory" if isinstance(error, MemoryError) else "")
+        events.send(EngineFailed(f"{type(error).__name__}: {reason}", traceback.format_exc()))
         sys.exit(1)
     # The server owns this process's lifetime: it stops it with a command, or by closing
     # the pipe (its own death included). Ctrl-C and a supervisor's SIGTERM reach the whole

@@ -28,6 +28,7 @@ positions they hold (only the decoder blocks' K/V was lost).
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Callable, Sequence
 
@@ -97,14 +98,20 @@ class Engine:
         self.after_step = after_step
         if eos_token_ids is None:
             eos_token_ids = [tokenizer.eos_id] if tokenizer is not None else []
-        self.eos_token_ids = tuple(int(token) for token in eos_token_ids)
+        if isinstance(eos_token_ids, numbers.Integral):  # one id, as config.json may say
+            eos_token_ids = [eos_token_ids]
         vocab_size = model.config.vocab_size
-        outside = [token for token in self.eos_token_ids if not 0 <= token < vocab_size]
-        if outside or len(self.eos_token_ids) > MAX_EOS_IDS:
+        ids = list(eos_token_ids)
+        if (
+            any(isinstance(token, bool) or not isinstance(token, numbers.Integral) for token in ids)
+            or any(not 0 <= token < vocab_size for token in ids)
+            or len(ids) > MAX_EOS_IDS
+        ):
             raise ValueError(  # one past the vocabulary would never end a request
                 f"Engine: argument 'eos_token_ids': expected at most {MAX_EOS_IDS} ids in "
-                f"[0, {vocab_size}), got {list(self.eos_token_ids)}"
+                f"[0, {vocab_size}), got {eos_token_ids!r}"
             )
+        self.eos_token_ids = tuple(int(token) for token in ids)
         self.scheduler = Scheduler(config)
         self.runner = ModelRunner(model, config)
         if self.runner.state.place.is_cpu_place():

@@ -244,6 +244,9 @@ BAD_REQUESTS = [
         {"prompt": "hi", "min_tokens": 70},
         "'min_tokens' (70) exceeds the",
     ),
+    # The field by its name: pydantic's location says which member of a union it tried.
+    ("number as a word", {"prompt": "hi", "temperature": "hot"}, "'temperature': Input should"),
+    ("bias as a word", {"prompt": "hi", "logit_bias": {"5": "up"}}, "'logit_bias.5': Input should"),
     (
         "best_of with a schema",
         {"prompt": "hi", "best_of": 2, "response_format": {"type": "json_object"}},
@@ -272,6 +275,8 @@ def test_bad_requests_get_400_and_server_keeps_serving(served, what, body, messa
     assert message in error["message"] and error["type"] and error["code"] == 400
     if not isinstance(body, dict):  # the body as a whole, no field to name
         assert error["param"] is None
+    else:  # no union member's name ('temperature.int') in what names the field
+        assert error["param"] is None or error["param"].split(".")[-1] not in ("int", "str")
     good = httpx.post(
         f"{base_url}/v1/completions",
         json={"model": "llama-tiny", "prompt": "hi", "max_tokens": 2},

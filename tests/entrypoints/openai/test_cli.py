@@ -36,6 +36,16 @@ def test_a_port_out_of_range_is_refused_before_loading(port):
     )
 
 
+@pytest.mark.parametrize("flag", ["--host", "--served-model-name", "--api-key"])
+def test_an_empty_value_is_refused(flag):
+    """--host '' would bind every interface, --served-model-name '' fall back silently."""
+    from paddle_step.entrypoints.openai.cli import parse_args
+
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--model", "random", flag, ""])
+    assert exited.value.code == 2
+
+
 def test_a_model_that_is_not_a_directory_is_refused_before_loading():
     done = subprocess.run(
         [sys.executable, "-m", "paddle_step.serve", "--model", "no/such/dir"],

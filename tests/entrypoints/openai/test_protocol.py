@@ -141,6 +141,11 @@ BAD_COMPLETIONS = [
     ({"top_p": 1e-46}, "top_p"),  # 0 in float32
     ({"repetition_penalty": 1e-300}, "repetition_penalty"),
     ({"repetition_penalty": 1e300}, "repetition_penalty"),  # inf in float32
+    ({"logit_bias": {"05": 1}}, "logit_bias"),  # a second key for token 5
+    ({"max_tokens": -1}, "max_tokens"),  # not min_tokens, which it would exceed
+    ({"n": 257}, "n"),
+    ({"best_of": 257}, "best_of"),
+    ({"min_tokens": 2, "response_format": {"type": "json_object"}}, "min_tokens"),
 ]
 
 
@@ -214,7 +219,7 @@ def test_chat_image_part_fails_validation_saying_so():
 
 
 def test_edge_values_that_stay_accepted():
-    completion(min_tokens=3, max_tokens=3, top_p=1.5e-45, logit_bias={"07": 1}).check(VOCAB)
+    completion(min_tokens=3, max_tokens=3, top_p=1.5e-45, logit_bias={"7": 1, "0": 2}).check(VOCAB)
     completion(stream=True, stream_options={"include_usage": False}).check(VOCAB)
     completion(logit_bias={str(token): 1 for token in range(100)}).check(VOCAB)
     chat(max_completion_tokens=4, min_tokens=4).check(VOCAB)

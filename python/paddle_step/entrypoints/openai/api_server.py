@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -36,7 +37,7 @@ from .logprobs import LogprobFormatter
 from .metrics import metrics_registry
 from .openapi import install_openapi
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, whole_body_refusal
-from .text_stream import TextStream
+from .text_stream import StopStrings, TextStream
 
 __all__ = ["create_app"]
 
@@ -98,7 +99,7 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0]
-        where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+        where = ".".join(str(part) for part in first.get("loc", ()) if not _loc_tag(part))
         message = f"'{where}': {first.get('msg')}" if where else first.get("msg", "bad request")
         # Malformed JSON's loc is ("body", character offset): the offset is not a field.
         if first.get("type") == "json_invalid" or not (where or isinstance(error.body, dict)):
@@ -278,8 +279,9 @@ def create_app(
 
     async def respond(request: Request, body, runs: list[_Run], fmt: _Format) -> Response:
         events: asyncio.Queue = asyncio.Queue()
+        stops = StopStrings(body.stop_strings())  # shared by every choice of the request
         for run in runs:
-            run.start(tokenizer, body.stop_strings(), events)
+            run.start(tokenizer, stops, events)
         handles = [run.handle for run in runs if run.handle is not None]
         sequences = sum(handle.num_sequences for handle in handles)
         if sequences > max_in_flight:  # would never fit: retrying cannot help
@@ -326,7 +328,7 @@ def create_app(
 class _Choice:
     """One sample of a run as the client sees it: its text so far, tokens, logprobs."""
 
-    def __init__(self, run: _Run, sample: int, tokenizer, stops: list[str]) -> None:
+    def __init__(self, run: _Run, sample: int, tokenizer, stops: StopStrings | list[str]) -> None:
         self.run = run
         self.sample = sample
         detokenizer = IncrementalDetokenizer(tokenizer, run.prompt_ids, skip_special_tokens=True)
@@ -380,7 +382,7 @@ class _Run:
         self.error: ApiError | None = None
         self.finished = False
 
-    def start(self, tokenizer, stops: list[str], events: asyncio.Queue) -> None:
+    def start(self, tokenizer, stops: StopStrings | list[str], events: asyncio.Queue) -> None:
         drawn = self.params.best_of or self.params.n
         self.samples = {j: _Choice(self, j, tokenizer, stops) for j in range(drawn)}
         if self.params.max_tokens == 0 and self.params.prompt_logprobs is None:
@@ -535,6 +537,15 @@ async def _sse(
         yield "data: [DONE]\n\n"
     finally:  # also when the client went away and the response was cancelled
         _abort_all(loop, runs)
+
+
+# The parts of a pydantic error location that name no field: the request body, and the
+# member of a union that was tried ('temperature.int', 'stop.list[str]').
+_UNION_MEMBER = re.compile(r"(int|float|str|bool|none|[a-z-]+\[.*\])")
+
+
+def _loc_tag(part) -> bool:
+    return part == "body" or (isinstance(part, str) and _UNION_MEMBER.fullmatch(part) is not None)
 
 
 def _max_prompt_bytes(tokenizer, max_model_len: int) -> int:

@@ -98,8 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) < 1:
             flag = "--" + name.replace("_", "-")
             parser.error(f"argument {flag}: expected an integer >= 1, got {getattr(args, name)}")
-    if args.api_key == "":
-        parser.error("argument --api-key: expected a non-empty key, got ''")
+    for flag in ("api_key", "host", "served_model_name"):  # '' would mean all, or nothing
+        if getattr(args, flag) == "":
+            parser.error(f"argument --{flag.replace('_', '-')}: expected a non-empty value, got ''")
     return args
 
 

@@ -268,7 +268,7 @@ class _RequestFields(_Strict):
                        self.repetition_penalty)  # fmt: skip
         _refuse_unless(self.min_tokens >= 0, "min_tokens", "an integer >= 0", self.min_tokens)
         limit_name, limit = self.token_limit()
-        if limit is not None:
+        if limit is not None and limit >= 0:  # a negative limit is refused by its own name
             _refuse_unless(self.min_tokens <= limit, "min_tokens",
                            f"an integer <= '{limit_name}' ({limit})", self.min_tokens)  # fmt: skip
         _refuse_unless(self.n >= 1, "n", "an integer >= 1", self.n)
@@ -282,6 +282,12 @@ class _RequestFields(_Strict):
             _refuse_unless(0 <= token < vocab_size, "stop_token_ids",
                            f"token ids in [0, {vocab_size})", token)  # fmt: skip
         self.token_bias(vocab_size)
+        if self.min_tokens and self.response_format is not None and self.json_schema():
+            raise ApiError(
+                "'min_tokens': not honoured with structured output, which ends when its "
+                f"schema is complete, got {self.min_tokens}",
+                param="min_tokens",
+            )
         if self.stream_options is not None and not self.stream:
             raise ApiError(
                 "'stream_options': only allowed with 'stream': true, got stream false",
@@ -296,8 +302,9 @@ class _RequestFields(_Strict):
                        f"at most {MAX_LOGIT_BIAS_ENTRIES} entries",
                        f"{len(entries)} entries")  # fmt: skip
         for key, value in entries.items():
-            # Plain decimal digits only: int() would also take " 5", "5_0" or "٥".
-            token = int(key) if key.isascii() and key.isdigit() else -1
+            # Plain decimal digits, as str(id) writes them: int() would also take " 5",
+            # "5_0" or "٥", and "05" would make a second entry for token 5.
+            token = int(key) if key.isascii() and key.isdigit() and key == str(int(key)) else -1
             _refuse_unless(0 <= token < vocab_size, "logit_bias",
                            f"keys that are token ids in [0, {vocab_size})", key)  # fmt: skip
             bound = MAX_LOGIT_BIAS
@@ -398,9 +405,10 @@ class CompletionRequest(_RequestFields):
                 f"end), got best_of {best_of} with n {self.n}",
                 param="best_of",
             )
-        choices = len(self.prompts()) * best_of
-        _refuse_unless(choices <= MAX_CHOICES, "prompt",
-                       f"prompts x best_of <= {MAX_CHOICES}", choices)  # fmt: skip
+        prompts = len(self.prompts())
+        many = "prompt" if prompts > 1 else ("best_of" if self.best_of is not None else "n")
+        _refuse_unless(prompts * best_of <= MAX_CHOICES, many,
+                       f"prompts x best_of <= {MAX_CHOICES}", prompts * best_of)  # fmt: skip
 
     def samples_drawn(self) -> int:
         return self.n if self.best_of is None else self.best_of

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-__all__ = ["TextStream"]
+__all__ = ["StopStrings", "TextStream"]
 
 
 class Detokenizer(Protocol):
@@ -20,16 +20,25 @@ class Detokenizer(Protocol):
     def flush(self) -> str: ...
 
 
+class StopStrings:
+    """A request's stop strings with their Knuth-Morris-Pratt tables, built once for all
+    its choices (900 strings of 1,000 characters take ~0.1 s)."""
+
+    def __init__(self, stops: Sequence[str] = ()) -> None:
+        self.strings = list(stops)
+        self.fallbacks = [_prefix_function(stop) for stop in self.strings]
+
+
 class TextStream:
     """``add(token)`` returns the new final text; ``finish()`` the rest at the end."""
 
-    def __init__(self, detokenizer: Detokenizer, stops: Sequence[str] = ()) -> None:
+    def __init__(self, detokenizer: Detokenizer, stops: StopStrings | Sequence[str] = ()) -> None:
         self._detokenizer = detokenizer
-        self._stops = list(stops)
+        stops = stops if isinstance(stops, StopStrings) else StopStrings(stops)
+        self._stops, self._fallbacks = stops.strings, stops.fallbacks
         # Per stop string: the longest prefix of it that the text ends with, kept up to
         # date a character at a time (Knuth-Morris-Pratt), so a token costs the length of
         # its text per stop string, not the stop strings' lengths squared.
-        self._fallbacks = [_prefix_function(stop) for stop in self._stops]
         self._matched = [0] * len(self._stops)
         self._text = ""  # decoded so far, held-back tail included
         self._emitted = 0  # characters of _text already returned
