@@ -24,12 +24,14 @@ def _describe(tensors):
     return [(str(tensor.dtype), list(tensor.shape)) for tensor in tensors]
 
 
-def _argument_type_error(op, names, values, error):
+def _argument_type_error(op, names, arguments, error):
     """The TypeError of a call pybind11 refused: the first argument of the wrong kind by
     name (pybind11's own message lists every signature and dumps the tensors); ``error``
-    itself when every argument has its kind. Only on the failure path: the call itself
-    stays one pybind11 dispatch."""
-    for name, value in zip(names, values):
+    itself when every argument has its kind. ``arguments``: the op function's locals, whose
+    parameters ``names`` lists. Only on the failure path: the call itself stays one
+    pybind11 dispatch."""
+    for name in names:
+        value = arguments[name]
         if name in ("block_size", "encoder_decoder_block_num", "num_seqs", "num_queries"):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 return TypeError(f"{op}: argument '{name}': expected an int, got "
@@ -54,9 +56,11 @@ def _write_back(targets, results):
         paddle.assign(result, output=target)
 
 
+# The ops' parameters, in their signatures' order (the first of the wrong kind is named).
+_STEP_PADDLE_ARGUMENTS = (*STEP_PADDLE_TENSORS, "block_size", "encoder_decoder_block_num")
 _ADVANCE_STEP_ARGUMENTS = ("input_tokens", "sampled_token_ids", "input_positions", "seq_lens",
-                           "slot_mapping", "block_tables", "active", "num_seqs", "num_queries",
-                           "block_size")  # fmt: skip
+                           "slot_mapping", "block_tables", "num_seqs", "num_queries",
+                           "block_size", "active")  # fmt: skip
 
 # The ops' argument lists stay packed (fmt: off): one name per line would spread each op's
 # three lists of the same names over 80 lines.
@@ -83,14 +87,7 @@ def step_paddle(stop_flags, seq_lens_this_time, ori_seq_lens_encoder, seq_lens_e
                 step_idx, next_tokens, first_token_ids, block_size, encoder_decoder_block_num)
         except (TypeError, RuntimeError) as error:  # pybind11's: no overload, no cast
             raise _argument_type_error(
-                "paddle_step.step_paddle",
-                (*STEP_PADDLE_TENSORS, "block_size", "encoder_decoder_block_num"),
-                (stop_flags, seq_lens_this_time, ori_seq_lens_encoder, seq_lens_encoder,
-                 seq_lens_decoder, block_tables, encoder_block_lens, is_block_step,
-                 step_block_list, step_lens, recover_block_list, recover_lens, need_block_list,
-                 need_block_len, used_list_len, free_list, free_list_len, input_ids, pre_ids,
-                 step_idx, next_tokens, first_token_ids, block_size, encoder_decoder_block_num),
-                error) from None
+                "paddle_step.step_paddle", _STEP_PADDLE_ARGUMENTS, locals(), error) from None
         return None
     tensors = (stop_flags, seq_lens_this_time, ori_seq_lens_encoder, seq_lens_encoder,
                seq_lens_decoder, block_tables, encoder_block_lens, is_block_step,
@@ -123,9 +120,7 @@ def advance_step(input_tokens, sampled_token_ids, input_positions, seq_lens, slo
                                   block_size)
         except (TypeError, RuntimeError) as error:  # pybind11's: no overload, no cast
             raise _argument_type_error(
-                "paddle_step.advance_step", _ADVANCE_STEP_ARGUMENTS,
-                (input_tokens, sampled_token_ids, input_positions, seq_lens, slot_mapping,
-                 block_tables, active, num_seqs, num_queries, block_size), error) from None
+                "paddle_step.advance_step", _ADVANCE_STEP_ARGUMENTS, locals(), error) from None
         return None
     tensors = (input_tokens, sampled_token_ids, input_positions, seq_lens, slot_mapping,
                block_tables)

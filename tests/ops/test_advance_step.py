@@ -143,3 +143,14 @@ def test_an_argument_of_the_wrong_kind_is_named(overrides, message):
     with pytest.raises(TypeError) as raised:
         paddle_step.advance_step(**arguments)
     assert str(raised.value) == f"paddle_step.advance_step: argument {message}"
+
+
+def test_the_named_arguments_are_the_signatures():
+    """The wrong-kind message looks the ops' arguments up by these names."""
+    import inspect
+
+    from paddle_step import ops
+
+    for function, names in [(ops.advance_step, ops._ADVANCE_STEP_ARGUMENTS),
+                            (ops.step_paddle, ops._STEP_PADDLE_ARGUMENTS)]:  # fmt: skip
+        assert tuple(inspect.signature(function).parameters) == names
