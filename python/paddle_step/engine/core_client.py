@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import itertools
 import logging
 import multiprocessing
@@ -140,6 +141,11 @@ class EngineLoop:
         """Starts the child and waits for its model; raises ``RuntimeError`` with the
         child's error if it cannot build the engine."""
         self._process.start()
+        # The child ignores SIGTERM (a drain needs the server's say), so multiprocessing's
+        # own exit handler, which terminates then joins it, would wait forever on an
+        # interpreter that exits without stop(): Ctrl-C or an error between here and
+        # serving. Registered after multiprocessing's, this runs first.
+        atexit.register(self.stop, 0)
         # The child holds its ends now. Without our copies, each side's read sees EOF
         # as soon as the other process is gone, however it went.
         self._commands_in.close()

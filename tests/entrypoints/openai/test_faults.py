@@ -263,3 +263,21 @@ def test_ctrl_c_while_the_model_loads_exits_without_a_traceback(tmp_path, after_
     output = log_path.read_text()
     assert "Traceback" not in output and "SignalInfo" not in output, output
     check_no_orphans(children)
+
+
+def test_an_interpreter_that_exits_without_stopping_its_engine_does_not_hang():
+    """The engine process ignores SIGTERM, which is all multiprocessing's exit handler
+    sends before it joins: an exit between start() and serving (Ctrl-C while the app is
+    built, an error) must still end it."""
+    code = (
+        "from paddle_step.entrypoints.openai.cli import parse_args\n"
+        "from paddle_step.engine.core_client import EngineLoop\n"
+        "loop = EngineLoop(parse_args(['--model', 'random', '--max-model-len', '64']))\n"
+        "loop.start()\n"
+        "print(loop.pid, flush=True)\n"
+        "raise SystemExit(3)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 3, done.stderr[-2000:]
+    check_no_orphans([int(done.stdout.split()[-1])])
