@@ -23,6 +23,7 @@ import multiprocessing
 import signal
 import threading
 from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
 from multiprocessing.connection import wait as wait_for_ready
 
 from ..sampling_params import SamplingParams
@@ -140,7 +141,17 @@ class EngineLoop:
     def start(self) -> None:
         """Starts the child and waits for its model; raises ``RuntimeError`` with the
         child's error if it cannot build the engine."""
-        self._process.start()
+        # Ctrl-C reaches the whole process group. The child inherits this thread's signal
+        # mask: with SIGINT blocked it stays pending, not raised, while the new interpreter
+        # imports its target, until run_engine ignores it (a KeyboardInterrupt there
+        # printed multiprocessing's traceback). Here it is only held, and raised on unblock.
+        # The resource tracker is started first: starting it unblocks SIGINT.
+        resource_tracker.ensure_running()
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self._process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         # The child ignores SIGTERM (a drain needs the server's say), so multiprocessing's
         # own exit handler, which terminates then joins it, would wait forever on an
         # interpreter that exits without stop(): Ctrl-C or an error between here and

@@ -35,8 +35,10 @@ def run_engine(args: argparse.Namespace, commands, events) -> None:
     from .arg_utils import build_engine
 
     # Ctrl-C reaches the whole process group: while the model loads, the server stops
-    # this process itself (paddle's import would otherwise print a crash report).
+    # this process itself (paddle's import would otherwise print a crash report). The
+    # server started this process with SIGINT blocked; ignoring it drops one pending.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     try:
         engine, loaded = build_engine(args)
     except Exception as error:  # noqa: BLE001 - sent to the server, which raises it

@@ -239,11 +239,16 @@ def test_ctrl_c_exits_without_a_traceback_leaving_no_process():
         check_no_orphans(children)
 
 
-@pytest.mark.parametrize("after_s", [0.3, 1.0])
-def test_ctrl_c_while_the_model_loads_exits_without_a_traceback(tmp_path, after_s):
-    """Ctrl-C (SIGINT to the process group) before the server serves: the server stops
-    its engine process, which ignores the signal while it loads (paddle's handler would
-    print a crash report), and exits quietly; nothing is left behind."""
+@pytest.mark.parametrize(
+    "since, after_s",
+    [("server", 0.3), ("engine", 0.0), ("engine", 0.1), ("engine", 1.0)],
+)
+def test_ctrl_c_while_the_model_loads_exits_without_a_traceback(tmp_path, since, after_s):
+    """Ctrl-C (SIGINT to the process group) before the server serves, ``after_s`` after
+    the server or its engine process started: the server stops its engine process, which
+    ignores the signal while it loads (paddle's handler would print a crash report), and
+    exits quietly; nothing is left behind. The engine's first moments are the new
+    interpreter importing its target (the test below covers each moment of it)."""
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
@@ -252,6 +257,10 @@ def test_ctrl_c_while_the_model_loads_exits_without_a_traceback(tmp_path, after_
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )  # fmt: skip
     try:
+        deadline = time.monotonic() + 60
+        while since == "engine" and _engine_process(process.pid) is None:
+            assert time.monotonic() < deadline and process.poll() is None, log_path.read_text()
+            time.sleep(0.001)
         time.sleep(after_s)
         children = descendants(process.pid)
         os.killpg(process.pid, signal.SIGINT)
@@ -263,6 +272,54 @@ def test_ctrl_c_while_the_model_loads_exits_without_a_traceback(tmp_path, after_
     output = log_path.read_text()
     assert "Traceback" not in output and "SignalInfo" not in output, output
     check_no_orphans(children)
+
+
+def test_the_engine_process_takes_no_ctrl_c_from_its_first_moment(tmp_path):
+    """SIGINT sent to the engine process every few milliseconds from the moment it exists,
+    while its new interpreter imports its target and then loads the model: it must neither
+    die nor print anything (a KeyboardInterrupt there printed multiprocessing's traceback
+    and the server could not start). Then Ctrl-C ends the server as usual."""
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "paddle_step.serve", "--port", str(free_port())],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (engine := _engine_process(process.pid)):
+            assert time.monotonic() < deadline and process.poll() is None, log_path.read_text()
+            time.sleep(0.001)
+        hammer_until = time.monotonic() + 1.0
+        while time.monotonic() < hammer_until:
+            os.kill(engine, signal.SIGINT)
+            time.sleep(0.003)
+        assert process.poll() is None and _engine_process(process.pid) == engine, (
+            log_path.read_text()
+        )
+        children = descendants(process.pid)
+        os.killpg(process.pid, signal.SIGINT)
+        assert process.wait(60) in (0, 130), log_path.read_text()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+    output = log_path.read_text()
+    assert "Traceback" not in output and "SignalInfo" not in output, output
+    check_no_orphans(children)
+
+
+def _engine_process(server_pid: int) -> int | None:
+    """The server's engine process once it runs (its new interpreter runs spawn_main)."""
+    for child in descendants(server_pid):
+        try:
+            with open(f"/proc/{child}/cmdline") as command_line:
+                if "spawn_main" in command_line.read():
+                    return child
+        except OSError:
+            continue
+    return None
 
 
 def test_an_interpreter_that_exits_without_stopping_its_engine_does_not_hang():
