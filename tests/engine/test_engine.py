@@ -177,6 +177,16 @@ def test_add_request_refuses_what_is_not_token_ids_or_params(
     assert engine.add_request(np.array([1, 2]), limited(2)) == 0  # NumPy ints are ints
 
 
+def test_engine_names_an_argument_of_the_wrong_kind(model: LlamaForCausalLM) -> None:
+    config = EngineConfig(max_batch=2, max_model_len=16, block_size=4, num_kv_blocks=10)
+    with pytest.raises(
+        TypeError, match="argument 'model': expected a LlamaForCausalLM .*got NoneType"
+    ):
+        Engine(None, config)
+    with pytest.raises(TypeError, match="argument 'config': expected an EngineConfig, got dict"):
+        Engine(model, {"max_batch": 2})
+
+
 def test_add_request_rejects_requests_that_cannot_run(model: LlamaForCausalLM) -> None:
     config = EngineConfig(max_batch=2, max_model_len=16, block_size=4, num_kv_blocks=10)
     engine = Engine(model, config)

@@ -421,6 +421,12 @@ def test_unsupported_configs_are_refused(tmp_path, case) -> None:
         load_checkpoint(path)
 
 
+@pytest.mark.parametrize("path", [None, 5, b"llama-tiny"])
+def test_a_path_that_is_not_a_path_is_refused_by_name(path) -> None:
+    with pytest.raises(TypeError, match="argument 'path': expected a str or os.PathLike, got"):
+        load_checkpoint(path)
+
+
 def test_a_config_that_is_not_a_json_object_is_refused(tmp_path) -> None:
     path = copy_checkpoint(tmp_path, "llama-tiny")
     (path / "config.json").write_text("[1, 2]")

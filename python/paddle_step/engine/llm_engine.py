@@ -83,6 +83,11 @@ class Engine:
         check_state: bool = False,
         after_step: Callable[[Engine], object] | None = None,
     ) -> None:
+        if not isinstance(model, LlamaForCausalLM):
+            raise TypeError(
+                "Engine: argument 'model': expected a LlamaForCausalLM (load_checkpoint(...)"
+                f".model), got {type(model).__name__}"
+            )
         if not isinstance(config, EngineConfig):
             raise TypeError(
                 f"Engine: argument 'config': expected an EngineConfig, got {type(config).__name__}"

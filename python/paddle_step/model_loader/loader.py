@@ -15,6 +15,7 @@ or fp64 on disk, cast to the requested dtype or packed in the requested format),
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,11 @@ def load_checkpoint(
     op only (``layers.cpu_linear``): elsewhere, or on a CPU without AVX2, this raises.
     ``tensor_parallel``: keep only that rank's shard (``distributed.tensor_parallel``).
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"load_checkpoint: argument 'path': expected a str or os.PathLike, "
+            f"got {type(path).__name__}"
+        )
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(

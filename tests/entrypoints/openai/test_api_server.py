@@ -245,8 +245,18 @@ BAD_REQUESTS = [
         "'min_tokens' (70) exceeds the",
     ),
     # The field by its name: pydantic's location says which member of a union it tried.
-    ("number as a word", {"prompt": "hi", "temperature": "hot"}, "'temperature': Input should"),
-    ("bias as a word", {"prompt": "hi", "logit_bias": {"5": "up"}}, "'logit_bias.5': Input should"),
+    # Every form the field takes, not only the union member pydantic tried first.
+    (
+        "number as a word",
+        {"prompt": "hi", "temperature": "hot"},
+        "'temperature': Input should be a valid integer or a valid number",
+    ),
+    (
+        "bias as a word",
+        {"prompt": "hi", "logit_bias": {"5": "up"}},
+        "'logit_bias.5': Input should be a valid integer or a valid number",
+    ),
+    ("stop as a number", {"prompt": "hi", "stop": 5}, "'stop': Input should be a valid string or"),
     (
         "best_of with a schema",
         {"prompt": "hi", "best_of": 2, "response_format": {"type": "json_object"}},

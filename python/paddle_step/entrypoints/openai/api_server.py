@@ -98,9 +98,14 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first.get("loc", ()) if not _loc_tag(part))
-        message = f"'{where}': {first.get('msg')}" if where else first.get("msg", "bad request")
+        errors = error.errors()
+        first = errors[0]
+        where = _field_of(first)
+        message = (
+            f"'{where}': {_union_message(errors, first)}"
+            if where
+            else first.get("msg", "bad request")
+        )
         # Malformed JSON's loc is ("body", character offset): the offset is not a field.
         if first.get("type") == "json_invalid" or not (where or isinstance(error.body, dict)):
             where = None
@@ -546,6 +551,32 @@ _UNION_MEMBER = re.compile(r"(int|float|str|bool|none|[a-z-]+\[.*\])")
 
 def _loc_tag(part) -> bool:
     return part == "body" or (isinstance(part, str) and _UNION_MEMBER.fullmatch(part) is not None)
+
+
+def _field_of(error: dict) -> str:
+    """The field a pydantic error is about, dotted ('logit_bias.5'), without tags."""
+    return ".".join(str(part) for part in error.get("loc", ()) if not _loc_tag(part))
+
+
+def _union_member_error(error: dict) -> bool:
+    """Whether a pydantic error is one union member's refusal ('temperature.int')."""
+    loc = error.get("loc", ())
+    return bool(loc) and loc[-1] != "body" and _loc_tag(loc[-1])
+
+
+def _union_message(errors: list[dict], first: dict) -> str:
+    """``first``'s message; for a value no member of a union took, every member's, so the
+    client reads all the forms the field takes ('Input should be a valid integer or a
+    valid number'), not only the one pydantic tried first."""
+    if not _union_member_error(first):
+        return first["msg"]
+    field = _field_of(first)
+    members = dict.fromkeys(
+        error["msg"] for error in errors if _union_member_error(error) and _field_of(error) == field
+    )
+    first_message, *others = members
+    others = [other.removeprefix("Input should be ") for other in others]
+    return " or ".join([first_message, *others])
 
 
 def _max_prompt_bytes(tokenizer, max_model_len: int) -> int:
