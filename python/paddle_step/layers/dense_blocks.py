@@ -17,11 +17,12 @@ each block times every way it can run the first time a row count class
 ``compiled``; default ``auto``); ``PADDLE_STEP_ONEDNN=0`` leaves ``compiled`` out. float64,
 Paddle before 3.0 and devices other than the CPU run eagerly. A model whose weights are kept
 in bfloat16 or int8 (``ModelConfig.weight_format``) has them only packed, and runs the op
-alone. On a CPU with AVX512-BF16 and VNNI (the op's ``avx512_bf16`` path) those have two
-ways: ``op`` multiplies bfloat16 weights by x rounded to bfloat16 (``vdpbf16ps``: two
-multiply-adds a lane per instruction) and int8 weights by x quantized to 8 bits per row
-(``vpdpbusd``: four), ``op_widened`` widens the weights to float32 in registers and multiplies
-by x as it is (the AVX-512 path).
+alone, one way for every row count (not timed: the ways round x differently, and a
+token's result must not depend on its batch). On a CPU with AVX512-BF16 and VNNI (the op's
+``avx512_bf16`` path) that is ``op``: bfloat16 weights times x rounded to bfloat16
+(``vdpbf16ps``: two multiply-adds a lane per instruction), int8 weights times x quantized
+to 8 bits per row (``vpdpbusd``: four). ``PADDLE_STEP_DENSE=op_widened`` widens the weights
+to float32 in registers instead and multiplies by x as it is (the AVX-512 path).
 
 The same Python function makes all three, so they compute the same expression and differ
 only in float rounding (summation order); the op's ways also take the logits' RMSNorm from
@@ -461,7 +462,9 @@ class LayerFusion:
         they are forced another way; else as timed, None while that is still to do
         (``choose``)."""
         dense = self.blocks.layer_blocks
-        if dense[0].agree is not None or any("op" not in block.methods for block in dense):
+        if dense[0].agree is not None or any(
+            not set(OP_WAYS) & set(block.methods) for block in dense
+        ):
             return False
         if self.blocks.layer_way(rows) in OP_WAYS:
             return True
@@ -511,9 +514,12 @@ def model_blocks(config: ModelConfig, all_reduce: AllReduceFn | None = None) -> 
     if onednn_available(config.dtype):
         methods.append("compiled")
     if config.weight_format is not None:  # the weights exist only packed for the op
+        # One way, not timed: op_widened multiplies x as it is, op rounds it (avx512_bf16),
+        # so a per-row-class timing would make a token's result depend on its batch and
+        # flip between runs on near-ties. PADDLE_STEP_DENSE=op_widened forces the other.
         methods = ["op"]
-        if cpu_linear.isa() == "avx512_bf16":  # dot products on x in 16 or 8 bits
-            methods.append("op_widened")
+        if cpu_linear.isa() == "avx512_bf16" and forced_method() == "op_widened":
+            methods = ["op_widened"]
     hidden, head_dim, eps = config.hidden_size, config.head_dim, config.rms_eps
     q_width = config.num_heads * head_dim
     qkv_width = q_width + 2 * config.num_kv_heads * head_dim
