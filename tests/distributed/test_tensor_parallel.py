@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,7 +27,7 @@ from paddle_step.entrypoints.openai.cli import parse_args as serve_parse_args
 from paddle_step.layers import cpu_linear
 from paddle_step.model_loader.loader import load_checkpoint
 from paddle_step.sampling_params import SamplingParams
-from paddle_step.testing.server_process import free_port, metric, wait_for_health
+from paddle_step.testing.server_process import descendants, free_port, metric, wait_for_health
 
 REPO = Path(__file__).resolve().parents[2]
 CHECKPOINTS = REPO / "tests" / "data" / "hf-tiny"
@@ -312,3 +313,112 @@ def stream_and_close(url: str, prompt: str) -> None:
         for count, _line in enumerate(line for line in response.iter_lines() if line):
             if count >= 2:
                 return
+
+
+def _launch_server(tmp_path: Path, port: int) -> subprocess.Popen:
+    """The shipped model served on 2 ranks under the launcher, in a session of its own."""
+    command = [
+        sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2",
+        "--master", f"127.0.0.1:{free_port()}", "--log_dir", str(tmp_path / "log"),
+        sys.executable, "-m", "paddle_step.serve", "--tp", "2", "--port", str(port),
+    ]  # fmt: skip
+    return subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def _rank_process(launcher: int, rank: int) -> int:
+    """The pid of the launcher's ``rank`` (its serve process)."""
+    for pid in descendants(launcher):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as environ:
+                variables = environ.read().split(b"\0")
+        except OSError:
+            continue
+        if f"PADDLE_TRAINER_ID={rank}".encode() in variables and _is_serve(pid):
+            return pid
+    raise AssertionError(f"no rank {rank} under the launcher {launcher}")
+
+
+def _is_serve(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return b"paddle_step.serve" in cmdline.read()
+    except OSError:
+        return False
+
+
+def _stream_ending(url: str, started: threading.Barrier) -> str:
+    """How a long greedy stream ends: 'error' after an error event, 'finished', or 'cut'
+    when the connection closes without either. Waits at ``started`` after its first
+    chunk."""
+    body = {"model": "pydoc-tiny", "prompt": "A list is", "max_tokens": 240, "stream": True,
+            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    error = False
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            for count, line in enumerate(response.iter_lines()):
+                if count == 0:
+                    started.wait(30)
+                error |= line.startswith("data: ") and '"error"' in line
+                if line == "data: [DONE]":
+                    return "error" if error else "finished"
+    except httpx.HTTPError:
+        pass
+    return "cut"
+
+
+def _stop_all(process: subprocess.Popen, pids: list[int]) -> None:
+    for pid in [process.pid, *pids]:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    process.wait(10)
+
+
+def test_tp2_server_ends_its_streams_with_an_error_when_a_rank_dies(tmp_path):
+    """Rank 1 killed mid-stream: its engine sees its server gone and exits, rank 0's
+    engine sees the collective fail, and every stream ends with an error event at once
+    (they were cut off without one when the launcher killed rank 0 before its drain)."""
+    port = free_port()
+    process = _launch_server(tmp_path, port)
+    url = f"http://127.0.0.1:{port}"
+    pids: list[int] = []
+    try:
+        wait_for_health(url, process, LAUNCH_TIMEOUT_S)
+        pids = descendants(process.pid)
+        started = threading.Barrier(4)
+        with ThreadPoolExecutor(3) as pool:
+            endings = [pool.submit(_stream_ending, url, started) for _ in range(3)]
+            rank_1 = _rank_process(process.pid, 1)
+            started.wait(30)
+            os.kill(rank_1, signal.SIGKILL)
+            assert [ending.result(timeout=60) for ending in endings] == ["error"] * 3
+        process.wait(60)
+        deadline = time.monotonic() + 30
+        while any(os.path.exists(f"/proc/{pid}") for pid in pids):
+            assert time.monotonic() < deadline, "processes left after a rank died"
+            time.sleep(0.2)
+    finally:
+        _stop_all(process, pids)
+
+
+def test_tp2_ranks_stop_when_their_launcher_is_killed(tmp_path):
+    """The launcher killed (SIGKILL): its ranks are supervised by nothing; they stop."""
+    port = free_port()
+    process = _launch_server(tmp_path, port)
+    url = f"http://127.0.0.1:{port}"
+    pids: list[int] = []
+    try:
+        wait_for_health(url, process, LAUNCH_TIMEOUT_S)
+        pids = descendants(process.pid)
+        process.kill()
+        process.wait(10)
+        deadline = time.monotonic() + 30
+        while any(os.path.exists(f"/proc/{pid}") for pid in pids):
+            assert time.monotonic() < deadline, "ranks still running after their launcher died"
+            time.sleep(0.2)
+    finally:
+        _stop_all(process, pids)

@@ -17,18 +17,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import contextlib
 import itertools
 import logging
 import multiprocessing
 import signal
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
 from multiprocessing.connection import wait as wait_for_ready
 
 from ..sampling_params import SamplingParams
 from .core_messages import AbortRequest, AddRequest, EngineFailed, Ready, StepOutput, Stop
-from .core_proc import run_engine
+from .core_proc import STOP_SIGNALS, run_engine
 
 __all__ = [
     "EngineLoop",
@@ -141,22 +143,13 @@ class EngineLoop:
     def start(self) -> None:
         """Starts the child and waits for its model; raises ``RuntimeError`` with the
         child's error if it cannot build the engine."""
-        # Ctrl-C reaches the whole process group. The child inherits this thread's signal
-        # mask: with SIGINT blocked it stays pending, not raised, while the new interpreter
-        # imports its target, until run_engine ignores it (a KeyboardInterrupt there
-        # printed multiprocessing's traceback). Here it is only held, and raised on unblock.
-        # The resource tracker is started first: starting it unblocks SIGINT.
-        resource_tracker.ensure_running()
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
+        with _stop_signals_held():
             self._process.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        # The child ignores SIGTERM (a drain needs the server's say), so multiprocessing's
-        # own exit handler, which terminates then joins it, would wait forever on an
-        # interpreter that exits without stop(): Ctrl-C or an error between here and
-        # serving. Registered after multiprocessing's, this runs first.
-        atexit.register(self.stop, 0)
+            # The child ignores SIGTERM (a drain needs the server's say), so
+            # multiprocessing's own exit handler, which terminates then joins it, would
+            # wait forever on an interpreter that exits without stop(): Ctrl-C or an error
+            # between here and serving. Registered after multiprocessing's, this runs first.
+            atexit.register(self.stop, 0)
         # The child holds its ends now. Without our copies, each side's read sees EOF
         # as soon as the other process is gone, however it went.
         self._commands_in.close()
@@ -294,6 +287,39 @@ class EngineLoop:
 def _put_all(deliveries: list[tuple[asyncio.Queue, tuple]]) -> None:
     for events, event in deliveries:
         events.put_nowait(event)
+
+
+@contextlib.contextmanager
+def _stop_signals_held() -> Iterator[None]:
+    """Holds Ctrl-C and SIGTERM (they reach the whole process group) while the engine
+    process starts, and takes them after, as if they came then.
+
+    The child inherits this thread's signal mask: with both blocked they stay pending in
+    it, not raised, while its new interpreter imports its target and paddle, until
+    run_engine ignores them (a KeyboardInterrupt there printed multiprocessing's
+    traceback, a SIGTERM paddle's crash report). Here, another thread may take a signal
+    the mask holds, and Python runs its handler in this thread anyway: a recorder stands in
+    for the handlers meanwhile (one raised inside start() left the child without its
+    start-up data). The resource tracker is started first: starting it unblocks both.
+    """
+    resource_tracker.ensure_running()
+    taken: list[int] = []
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():  # where handlers can be set
+        for stop_signal in STOP_SIGNALS:
+            if signal.getsignal(stop_signal) is not None:  # None: not set from Python
+                handlers[stop_signal] = signal.signal(
+                    stop_signal, lambda signum, _frame: taken.append(signum)
+                )
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        for stop_signal, handler in handlers.items():
+            signal.signal(stop_signal, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a pending one is taken here
+        if taken:
+            signal.raise_signal(taken[0])
 
 
 def _exit_status(code: int | None) -> str:

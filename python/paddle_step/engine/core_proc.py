@@ -13,10 +13,14 @@ import argparse
 import signal
 import sys
 import traceback
+from typing import NoReturn
 
 from .core_messages import AbortRequest, AddRequest, EngineFailed, Ready, StepOutput, Stop
 
 __all__ = ["run_engine"]
+
+# Signals to the process group that the server handles for this process.
+STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
 
 # While idle, rank 0 broadcasts an empty batch this often, so the other ranks' wait in
 # the collective never runs into the backend's timeout.
@@ -32,26 +36,25 @@ def run_engine(args: argparse.Namespace, commands, events) -> None:
     applying it, so all ranks add and abort the same requests between the same steps
     and build the same schedule (the schedule itself is never sent).
     """
+    # The server owns this process's lifetime: it stops it with a command, or by closing
+    # the pipe (its own death included). Ctrl-C and a supervisor's SIGTERM reach the whole
+    # process group; ignoring them lets the server drain its running requests first, or
+    # stop this process itself while the model loads. The server started it with both
+    # blocked (core_client): they wait, pending, while paddle's import installs its own
+    # handlers (which print a crash report), and ignoring them drops those pending.
+    import paddle  # noqa: F401
+
     from .arg_utils import build_engine
 
-    # Ctrl-C reaches the whole process group: while the model loads, the server stops
-    # this process itself (paddle's import would otherwise print a crash report). The
-    # server started this process with SIGINT blocked; ignoring it drops one pending.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    _ignore_stop_signals()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     try:
         engine, loaded = build_engine(args)
     except Exception as error:  # noqa: BLE001 - sent to the server, which raises it
         reason = str(error) or ("out of memory" if isinstance(error, MemoryError) else "")
-        events.send(EngineFailed(f"{type(error).__name__}: {reason}", traceback.format_exc()))
+        _send(events, EngineFailed(f"{type(error).__name__}: {reason}", traceback.format_exc()))
         sys.exit(1)
-    # The server owns this process's lifetime: it stops it with a command, or by closing
-    # the pipe (its own death included). Ctrl-C and a supervisor's SIGTERM reach the whole
-    # process group; ignoring them here lets the server drain its running requests first
-    # (and paddle's own handler, installed by its import, would print a crash report for
-    # an ordinary shutdown).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _ignore_stop_signals()  # again: the tensor-parallel setup may install paddle's
     config = engine.config
     group = loaded.tensor_parallel
     leader = group is None or group.rank == 0
@@ -62,15 +65,21 @@ def run_engine(args: argparse.Namespace, commands, events) -> None:
             "kv_total_blocks": config.num_decoder_blocks,
             "kv_encoder_total_blocks": config.num_encoder_blocks,
             "threads": engine.threads}  # fmt: skip
-    events.send(Ready(info, _stats(engine)))
+    if not _send(events, Ready(info, _stats(engine))):
+        return
     request_ids: dict[int, int] = {}  # server key -> engine request id
     keys: dict[int, int] = {}  # engine request id -> server key
     draws: dict[int, dict[int, list[int]]] = {}  # best_of > n: request -> draw -> tokens
     while True:
         output = StepOutput()
         batch = _next_commands(engine, commands) if leader else []
+        if not leader and _server_gone(commands):  # the others' next collective then fails
+            return
         if group is not None:
-            batch = _broadcast(batch)
+            try:
+                batch = _broadcast(batch)
+            except RuntimeError as error:  # a rank's process ended, or its link broke
+                _rank_gone(events, group.rank, error)
         for command in batch:
             if isinstance(command, Stop):
                 return
@@ -92,12 +101,8 @@ def run_engine(args: argparse.Namespace, commands, events) -> None:
             try:
                 finished = engine.step()  # its time goes into engine.stats.elapsed
             except Exception as error:  # noqa: BLE001 - every client gets it
-                events.send(
-                    EngineFailed(
-                        f"engine step failed: {type(error).__name__}: {error}",
-                        traceback.format_exc(),
-                    )
-                )
+                message = f"engine step failed: {type(error).__name__}: {error}"
+                _send(events, EngineFailed(message, traceback.format_exc()))
                 sys.exit(1)
             output.prompt_logprobs = [(keys[request_id], [_logprobs(entry) for entry in entries])
                                       for request_id, entries
@@ -122,7 +127,8 @@ def run_engine(args: argparse.Namespace, commands, events) -> None:
         if leader and (output.tokens or output.finished or output.refused or batch
                        or engine.has_unfinished()):  # fmt: skip
             output.stats = _stats(engine)
-            events.send(output)
+            if not _send(events, output):
+                return
 
 
 def _returned(result, drawn: dict[int, list[int]] | None) -> list[tuple[int, str]]:
@@ -159,6 +165,43 @@ def _next_commands(engine, commands) -> list:
     except (EOFError, OSError):
         batch.append(Stop())
     return batch
+
+
+def _ignore_stop_signals() -> None:
+    for stop_signal in STOP_SIGNALS:
+        signal.signal(stop_signal, signal.SIG_IGN)
+
+
+def _send(events, message) -> bool:
+    """Sends ``message`` to the server; False when the server is gone (nobody to tell)."""
+    try:
+        events.send(message)
+    except OSError:  # BrokenPipeError, or the pipe closed
+        return False
+    return True
+
+
+def _server_gone(commands) -> bool:
+    """Whether a follower rank's own server is gone (killed included): it sends nothing,
+    so its pipe becomes readable only when it closes."""
+    if not commands.poll():
+        return False
+    try:
+        commands.recv()
+    except (EOFError, OSError):
+        return True
+    return False
+
+
+def _rank_gone(events, rank: int, error: RuntimeError) -> NoReturn:
+    """Ends this engine after another rank's process ended: rank 0 tells its server (every
+    request ends with a 503), a follower says so on stderr; no traceback."""
+    message = f"a tensor-parallel rank is gone ({' '.join(str(error).split())[:300]})"
+    if rank == 0:
+        _send(events, EngineFailed(message))
+    else:
+        print(f"paddle_step engine, rank {rank}: {message}", file=sys.stderr)
+    sys.exit(1)
 
 
 def _broadcast(batch: list) -> list:

@@ -239,16 +239,20 @@ def test_ctrl_c_exits_without_a_traceback_leaving_no_process():
         check_no_orphans(children)
 
 
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "term"])
 @pytest.mark.parametrize(
     "since, after_s",
     [("server", 0.3), ("engine", 0.0), ("engine", 0.1), ("engine", 1.0)],
 )
-def test_ctrl_c_while_the_model_loads_exits_without_a_traceback(tmp_path, since, after_s):
-    """Ctrl-C (SIGINT to the process group) before the server serves, ``after_s`` after
+def test_ctrl_c_while_the_model_loads_exits_without_a_traceback(
+    tmp_path, since, after_s, stop_signal
+):
+    """Ctrl-C or SIGTERM to the process group before the server serves, ``after_s`` after
     the server or its engine process started: the server stops its engine process, which
-    ignores the signal while it loads (paddle's handler would print a crash report), and
-    exits quietly; nothing is left behind. The engine's first moments are the new
-    interpreter importing its target (the test below covers each moment of it)."""
+    ignores both while it loads (paddle's handler would print a crash report), and exits
+    quietly (130 or 143, or a SIGTERM's own status once uvicorn serves); nothing is left
+    behind. The engine's first moments are the new interpreter importing its target (the
+    test below covers each moment of it)."""
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
@@ -263,8 +267,8 @@ def test_ctrl_c_while_the_model_loads_exits_without_a_traceback(tmp_path, since,
             time.sleep(0.001)
         time.sleep(after_s)
         children = descendants(process.pid)
-        os.killpg(process.pid, signal.SIGINT)
-        assert process.wait(60) in (0, 130), log_path.read_text()
+        os.killpg(process.pid, stop_signal)
+        assert process.wait(60) in (0, 128 + stop_signal, -stop_signal), log_path.read_text()
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
@@ -274,8 +278,9 @@ def test_ctrl_c_while_the_model_loads_exits_without_a_traceback(tmp_path, since,
     check_no_orphans(children)
 
 
-def test_the_engine_process_takes_no_ctrl_c_from_its_first_moment(tmp_path):
-    """SIGINT sent to the engine process every few milliseconds from the moment it exists,
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "term"])
+def test_the_engine_process_takes_no_ctrl_c_from_its_first_moment(tmp_path, stop_signal):
+    """SIGINT or SIGTERM sent to the engine process every few ms from the moment it exists,
     while its new interpreter imports its target and then loads the model: it must neither
     die nor print anything (a KeyboardInterrupt there printed multiprocessing's traceback
     and the server could not start). Then Ctrl-C ends the server as usual."""
@@ -293,7 +298,7 @@ def test_the_engine_process_takes_no_ctrl_c_from_its_first_moment(tmp_path):
             time.sleep(0.001)
         hammer_until = time.monotonic() + 1.0
         while time.monotonic() < hammer_until:
-            os.kill(engine, signal.SIGINT)
+            os.kill(engine, stop_signal)
             time.sleep(0.003)
         assert process.poll() is None and _engine_process(process.pid) == engine, (
             log_path.read_text()

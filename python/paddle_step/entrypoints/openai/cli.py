@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import importlib.util
 import ipaddress
 import os
+import signal
 import sys
 import threading
 import time
@@ -49,6 +51,8 @@ def missing_serving_packages() -> list[str]:
 # After the engine fails, the server answers 503 this long (so clients and a load
 # balancer see why), then exits non-zero for its supervisor to restart it.
 ENGINE_FAILURE_GRACE_S = 5.0
+# How often a --tp rank checks that its launcher is still there.
+ORPHAN_CHECK_S = 1.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -165,6 +169,12 @@ def main(argv: list[str] | None = None) -> None:
     # With --tp > 1 (under paddle.distributed.launch) rank 0 serves HTTP; every rank runs
     # an engine process, and rank 0's hands the others each batch of requests.
     rank = int(os.environ.get("PADDLE_TRAINER_ID", "0")) if args.tp > 1 else 0
+    if args.tp > 1:
+        threading.Thread(target=_stop_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    # SIGTERM while the model loads stops as Ctrl-C does (nothing to drain yet): the
+    # engine process ignores both, so the server must stop it.
+    stopped_by = []
+    previous = signal.signal(signal.SIGTERM, functools.partial(_interrupt, stopped_by))
     try:
         if rank == 0:
             app, loop = build_app(args)
@@ -173,8 +183,10 @@ def main(argv: list[str] | None = None) -> None:
             follower.start()
     except (ValueError, RuntimeError) as error:  # a checkpoint or budget it cannot run
         raise SystemExit(f"paddle_step.serve: {error}") from None
-    except KeyboardInterrupt:  # Ctrl-C before serving (build_app stopped the engine)
-        raise SystemExit(130) from None
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM before serving (the engine is stopped)
+        raise SystemExit(128 + (stopped_by[0] if stopped_by else signal.SIGINT)) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if rank != 0:
         follower.wait()
         return
@@ -219,6 +231,20 @@ def _server(app, loop: EngineLoop, args: argparse.Namespace):
         timeout_graceful_shutdown=drain_s + 5.0,
     )
     return DrainingServer(config)
+
+
+def _interrupt(stopped_by: list, signum: int, _frame) -> None:
+    stopped_by.append(signum)
+    raise KeyboardInterrupt
+
+
+def _stop_when_orphaned(launcher: int) -> None:
+    """A ``--tp`` rank whose launcher is gone (killed) is supervised by nothing, and its
+    peers may be gone too: it stops as on SIGTERM (rank 0 drains its requests first)."""
+    while os.getppid() == launcher:
+        time.sleep(ORPHAN_CHECK_S)
+    print("paddle_step.serve: the launcher is gone; stopping", file=sys.stderr)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _exit_after_failure(loop: EngineLoop, server) -> None:
