@@ -25,7 +25,7 @@ from __future__ import annotations
 import ctypes
 import functools
 
-__all__ = ["keep_freed_memory", "return_freed_memory"]
+__all__ = ["available_memory_bytes", "keep_freed_memory", "return_freed_memory"]
 
 # mallopt's parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -61,3 +61,16 @@ def keep_freed_memory() -> bool:
         libc.mallopt(_M_MMAP_THRESHOLD, _LARGEST_HEAP_BLOCK)
         and libc.mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM)
     )
+
+
+def available_memory_bytes() -> int | None:
+    """What the kernel says can still be allocated without swapping (``MemAvailable`` in
+    /proc/meminfo), or None where it does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

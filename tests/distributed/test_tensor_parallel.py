@@ -342,11 +342,19 @@ def _rank_process(launcher: int, rank: int) -> int:
 
 
 def _is_serve(pid: int) -> bool:
+    return b"paddle_step.serve" in _command_line(pid)
+
+
+def _is_engine(pid: int) -> bool:
+    return b"spawn_main" in _command_line(pid)
+
+
+def _command_line(pid: int) -> bytes:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            return b"paddle_step.serve" in cmdline.read()
+            return cmdline.read()
     except OSError:
-        return False
+        return b""
 
 
 def _stream_ending(url: str, started: threading.Barrier) -> str:
@@ -378,10 +386,12 @@ def _stop_all(process: subprocess.Popen, pids: list[int]) -> None:
     process.wait(10)
 
 
-def test_tp2_server_ends_its_streams_with_an_error_when_a_rank_dies(tmp_path):
-    """Rank 1 killed mid-stream: its engine sees its server gone and exits, rank 0's
-    engine sees the collective fail, and every stream ends with an error event at once
-    (they were cut off without one when the launcher killed rank 0 before its drain)."""
+@pytest.mark.parametrize("killed", ["server", "engine"])
+def test_tp2_server_ends_its_streams_with_an_error_when_a_rank_dies(tmp_path, killed):
+    """Rank 1's server or engine killed mid-stream: its engine sees its server gone and
+    exits (or is gone), rank 0's engine sees the collective fail, and every stream ends
+    with an error event at once (they were cut off without one when the launcher killed
+    rank 0 before its drain). A killed engine is named in its rank's log."""
     port = free_port()
     process = _launch_server(tmp_path, port)
     url = f"http://127.0.0.1:{port}"
@@ -393,6 +403,8 @@ def test_tp2_server_ends_its_streams_with_an_error_when_a_rank_dies(tmp_path):
         with ThreadPoolExecutor(3) as pool:
             endings = [pool.submit(_stream_ending, url, started) for _ in range(3)]
             rank_1 = _rank_process(process.pid, 1)
+            if killed == "engine":
+                (rank_1,) = [pid for pid in descendants(rank_1) if _is_engine(pid)]
             started.wait(30)
             os.kill(rank_1, signal.SIGKILL)
             assert [ending.result(timeout=60) for ending in endings] == ["error"] * 3
@@ -401,6 +413,9 @@ def test_tp2_server_ends_its_streams_with_an_error_when_a_rank_dies(tmp_path):
         while any(os.path.exists(f"/proc/{pid}") for pid in pids):
             assert time.monotonic() < deadline, "processes left after a rank died"
             time.sleep(0.2)
+        if killed == "engine":
+            log = (tmp_path / "log" / "workerlog.1").read_text()
+            assert "rank 1: the engine process exited unexpectedly (killed by SIGKILL)" in log
     finally:
         _stop_all(process, pids)
 

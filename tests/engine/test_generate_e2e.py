@@ -229,6 +229,19 @@ def test_example_reduces_max_model_len_to_the_kv_budget():
     assert "max_model_len reduced from 256 to 32" in completed.stderr
 
 
+def test_max_model_len_becomes_a_multiple_of_the_block_size_and_says_so(capsys):
+    from paddle_step.engine.arg_utils import engine_config
+    from paddle_step.entrypoints.openai.cli import parse_args
+
+    config = engine_config(parse_args(["--block-size", "7", "--max-model-len", "20"]), 256)
+    assert config.max_model_len == 14
+    assert "max_model_len reduced from 20 to 14, a multiple of --block-size 7" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(ValueError, match=r"^the model's context \(5\): expected at least"):
+        engine_config(parse_args(["--block-size", "7"]), 5)
+
+
 @pytest.mark.parametrize(
     "args,message",
     [

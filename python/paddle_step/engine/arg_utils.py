@@ -246,9 +246,14 @@ def engine_config(args: argparse.Namespace, context_len: int) -> EngineConfig:
         )
     # step_paddle restores whole blocks on recovery: the length is a multiple of them.
     max_model_len = wanted // block_size * block_size
+    named = "--max-model-len" if args.max_model_len is not None else "the model's context"
     if max_model_len == 0:
-        raise ValueError(
-            f"--max-model-len: expected at least --block-size ({block_size}), got {wanted}"
+        raise ValueError(f"{named} ({wanted}): expected at least --block-size ({block_size})")
+    if max_model_len != wanted:
+        print(
+            f"max_model_len reduced from {wanted} to {max_model_len}, a multiple of "
+            f"--block-size {block_size}",
+            file=sys.stderr,
         )
     ratio = args.decoder_pool_ratio
     kv_blocks = args.kv_blocks

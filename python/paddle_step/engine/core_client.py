@@ -171,8 +171,10 @@ class EngineLoop:
         self._reader.start()
 
     def wait(self) -> None:
-        """Blocks until the engine process exits (a ``--tp`` follower rank's whole job)."""
+        """Blocks until the engine process exits and its end is known (``failure``): a
+        ``--tp`` follower rank's whole job."""
         self._process.join()
+        self._reader.join(10)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stops the engine process (killed if it does not exit within ``timeout``)."""
@@ -241,8 +243,10 @@ class EngineLoop:
                 self._fail(message.message, message.details)
             elif not self._stopping:  # else it exited because it was told to
                 self._process.join(5)
-                status = _exit_status(self._process.exitcode)
-                self._fail(f"the engine process exited unexpectedly ({status})")
+                # 0: a --tp follower's engine, stopped by rank 0 (it takes no commands).
+                if self._process.exitcode != 0:
+                    status = _exit_status(self._process.exitcode)
+                    self._fail(f"the engine process exited unexpectedly ({status})")
             return
 
     def _deliver_step(self, output: StepOutput) -> None:
@@ -324,7 +328,7 @@ def _stop_signals_held() -> Iterator[None]:
 
 def _exit_status(code: int | None) -> str:
     if code is None:
-        return "still running"
+        return "its pipe closed, but it has not exited"
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"

@@ -12,6 +12,8 @@ import paddle
 
 import paddle_step_ops as _library
 
+from ..host_memory import available_memory_bytes
+
 if TYPE_CHECKING:
     from ..config import ModelConfig
 
@@ -44,6 +46,22 @@ class KeptSlots:
 def _dense(x: paddle.Tensor) -> paddle.Tensor:
     """``x`` in plain row-major order (a split or slice may be a strided view)."""
     return x if x.is_contiguous() else x.contiguous()
+
+
+def _check_fits_in_memory(shape: list[int], dtype: str) -> None:
+    """Raises ``MemoryError`` naming the sizes when keys and values of ``shape`` need more
+    than the machine has available (paddle's own refusal comes after seconds of trying,
+    as a ResourceExhausted dump)."""
+    needed = 2 * math.prod(shape) * paddle.to_tensor([], dtype=dtype).element_size()
+    available = available_memory_bytes()
+    if available is not None and needed > available:
+        layers, slots, kv_heads, head_dim = shape
+        raise MemoryError(
+            f"the KV cache needs {needed / 2**30:.1f} GiB ({slots} token slots x {layers} "
+            f"layers x {kv_heads} KV heads x {head_dim}, keys and values in {dtype}), more "
+            f"than the {available / 2**30:.1f} GiB available: give it fewer blocks "
+            "(--kv-blocks, or a smaller --max-batch or --max-model-len)"
+        )
 
 
 class PagedKVCache:
@@ -82,6 +100,8 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = [num_layers, num_blocks * block_size, num_kv_heads, head_dim]
+        if paddle.get_device() == "cpu":
+            _check_fits_in_memory(shape, dtype)
         self.key = paddle.zeros(shape, dtype=dtype)
         self.value = paddle.zeros(shape, dtype=dtype)
         self.uses_cpu_ops = self.key.place.is_cpu_place() and self.key.dtype in (

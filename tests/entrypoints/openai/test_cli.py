@@ -1,6 +1,7 @@
 """``python -m paddle_step.serve`` refusing to start: without the serving stack, or with a
 flag out of range, one line says why before any model is loaded."""
 
+import socket
 import subprocess
 import sys
 
@@ -34,6 +35,21 @@ def test_a_port_out_of_range_is_refused_before_loading(port):
         f"python -m paddle_step.serve: error: argument --port: expected an integer in "
         f"[0, 65535], got {port}"
     )
+
+
+def test_a_port_in_use_is_refused_before_loading():
+    """uvicorn found it taken only after the model had loaded (seconds to minutes)."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "paddle_step.serve", "--port", str(port)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"paddle_step.serve: cannot listen on 127.0.0.1:{port}: Address already in use"
+    )
+    assert "engine process" not in done.stderr  # no model was loaded
 
 
 @pytest.mark.parametrize("flag", ["--host", "--served-model-name", "--api-key"])

@@ -17,6 +17,7 @@ import importlib.util
 import ipaddress
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -175,6 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     # engine process ignores both, so the server must stop it.
     stopped_by = []
     previous = signal.signal(signal.SIGTERM, functools.partial(_interrupt, stopped_by))
+    if rank == 0:
+        _refuse_a_taken_address(args.host, args.port)  # before the model loads, not after
     try:
         if rank == 0:
             app, loop = build_app(args)
@@ -189,6 +192,8 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(signal.SIGTERM, previous)
     if rank != 0:
         follower.wait()
+        if follower.failure is not None:
+            raise SystemExit(f"paddle_step.serve, rank {rank}: {follower.failure}")
         return
     server = _server(app, loop, args)
     threading.Thread(target=_exit_after_failure, args=(loop, server), daemon=True).start()
@@ -231,6 +236,24 @@ def _server(app, loop: EngineLoop, args: argparse.Namespace):
         timeout_graceful_shutdown=drain_s + 5.0,
     )
     return DrainingServer(config)
+
+
+def _refuse_a_taken_address(host: str, port: int) -> None:
+    """Exits with one line when ``host:port`` cannot be bound (in use, or not this
+    machine's), binding it as uvicorn will (SO_REUSEADDR) and letting it go at once."""
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _name, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as error:
+        raise SystemExit(
+            f"paddle_step.serve: cannot listen on {host}:{port}: {error.strerror or error}"
+        ) from None
 
 
 def _interrupt(stopped_by: list, signum: int, _frame) -> None:
