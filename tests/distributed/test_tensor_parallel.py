@@ -4,6 +4,7 @@ on both ranks (``--check-ranks``), and catching a planted divergence."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -377,13 +379,32 @@ def _stream_ending(url: str, started: threading.Barrier) -> str:
     return "cut"
 
 
-def _stop_all(process: subprocess.Popen, pids: list[int]) -> None:
-    for pid in [process.pid, *pids]:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    process.wait(10)
+@contextlib.contextmanager
+def _served_on_two_ranks(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str, list[int]]]:
+    """The launcher, the server's URL once healthy, and every process under the launcher
+    then; all killed at the end, orphans included."""
+    port = free_port()
+    process = _launch_server(tmp_path, port)
+    url = f"http://127.0.0.1:{port}"
+    pids: list[int] = []
+    try:
+        wait_for_health(url, process, LAUNCH_TIMEOUT_S)
+        pids = descendants(process.pid)
+        yield process, url, pids
+    finally:
+        for pid in [process.pid, *pids]:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        process.wait(10)
+
+
+def _wait_gone(pids: list[int], what: str) -> None:
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("killed", ["server", "engine"])
@@ -392,13 +413,7 @@ def test_tp2_server_ends_its_streams_with_an_error_when_a_rank_dies(tmp_path, ki
     exits (or is gone), rank 0's engine sees the collective fail, and every stream ends
     with an error event at once (they were cut off without one when the launcher killed
     rank 0 before its drain). A killed engine is named in its rank's log."""
-    port = free_port()
-    process = _launch_server(tmp_path, port)
-    url = f"http://127.0.0.1:{port}"
-    pids: list[int] = []
-    try:
-        wait_for_health(url, process, LAUNCH_TIMEOUT_S)
-        pids = descendants(process.pid)
+    with _served_on_two_ranks(tmp_path) as (process, url, pids):
         started = threading.Barrier(4)
         with ThreadPoolExecutor(3) as pool:
             endings = [pool.submit(_stream_ending, url, started) for _ in range(3)]
@@ -409,31 +424,15 @@ def test_tp2_server_ends_its_streams_with_an_error_when_a_rank_dies(tmp_path, ki
             os.kill(rank_1, signal.SIGKILL)
             assert [ending.result(timeout=60) for ending in endings] == ["error"] * 3
         process.wait(60)
-        deadline = time.monotonic() + 30
-        while any(os.path.exists(f"/proc/{pid}") for pid in pids):
-            assert time.monotonic() < deadline, "processes left after a rank died"
-            time.sleep(0.2)
-        if killed == "engine":
-            log = (tmp_path / "log" / "workerlog.1").read_text()
-            assert "rank 1: the engine process exited unexpectedly (killed by SIGKILL)" in log
-    finally:
-        _stop_all(process, pids)
+        _wait_gone(pids, "processes left after a rank died")
+    if killed == "engine":
+        log = (tmp_path / "log" / "workerlog.1").read_text()
+        assert "rank 1: the engine process exited unexpectedly (killed by SIGKILL)" in log
 
 
 def test_tp2_ranks_stop_when_their_launcher_is_killed(tmp_path):
     """The launcher killed (SIGKILL): its ranks are supervised by nothing; they stop."""
-    port = free_port()
-    process = _launch_server(tmp_path, port)
-    url = f"http://127.0.0.1:{port}"
-    pids: list[int] = []
-    try:
-        wait_for_health(url, process, LAUNCH_TIMEOUT_S)
-        pids = descendants(process.pid)
+    with _served_on_two_ranks(tmp_path) as (process, _url, pids):
         process.kill()
         process.wait(10)
-        deadline = time.monotonic() + 30
-        while any(os.path.exists(f"/proc/{pid}") for pid in pids):
-            assert time.monotonic() < deadline, "ranks still running after their launcher died"
-            time.sleep(0.2)
-    finally:
-        _stop_all(process, pids)
+        _wait_gone(pids, "ranks still running after their launcher died")

@@ -7,6 +7,7 @@ Every wait is bounded; every server is stopped (and killed if need be) on the wa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -14,6 +15,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -253,29 +256,14 @@ def test_ctrl_c_while_the_model_loads_exits_without_a_traceback(
     quietly (130 or 143, or a SIGTERM's own status once uvicorn serves); nothing is left
     behind. The engine's first moments are the new interpreter importing its target (the
     test below covers each moment of it)."""
-    log_path = tmp_path / "serve.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "paddle_step.serve", "--port", str(free_port())],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-        )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while since == "engine" and _engine_process(process.pid) is None:
-            assert time.monotonic() < deadline and process.poll() is None, log_path.read_text()
-            time.sleep(0.001)
+    with starting_server(tmp_path) as (process, log_path):
+        if since == "engine":
+            wait_for_engine(process, log_path)
         time.sleep(after_s)
         children = descendants(process.pid)
         os.killpg(process.pid, stop_signal)
         assert process.wait(60) in (0, 128 + stop_signal, -stop_signal), log_path.read_text()
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
-    output = log_path.read_text()
-    assert "Traceback" not in output and "SignalInfo" not in output, output
-    check_no_orphans(children)
+    assert_quiet_exit(log_path, children)
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "term"])
@@ -284,6 +272,26 @@ def test_the_engine_process_takes_no_ctrl_c_from_its_first_moment(tmp_path, stop
     while its new interpreter imports its target and then loads the model: it must neither
     die nor print anything (a KeyboardInterrupt there printed multiprocessing's traceback
     and the server could not start). Then Ctrl-C ends the server as usual."""
+    with starting_server(tmp_path) as (process, log_path):
+        engine = wait_for_engine(process, log_path)
+        hammer_until = time.monotonic() + 1.0
+        while time.monotonic() < hammer_until:
+            os.kill(engine, stop_signal)
+            time.sleep(0.003)
+        assert process.poll() is None and engine_process(process.pid) == engine, (
+            log_path.read_text()
+        )
+        children = descendants(process.pid)
+        os.killpg(process.pid, signal.SIGINT)
+        assert process.wait(60) in (0, 130), log_path.read_text()
+    assert_quiet_exit(log_path, children)
+
+
+@contextlib.contextmanager
+def starting_server(tmp_path) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """``serve`` just started, in a session of its own and taking Ctrl-C (a background job
+    of a non-interactive shell ignores it), its output in a file; killed at the end if it
+    is still running."""
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
@@ -292,30 +300,23 @@ def test_the_engine_process_takes_no_ctrl_c_from_its_first_moment(tmp_path, stop
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
-        while not (engine := _engine_process(process.pid)):
-            assert time.monotonic() < deadline and process.poll() is None, log_path.read_text()
-            time.sleep(0.001)
-        hammer_until = time.monotonic() + 1.0
-        while time.monotonic() < hammer_until:
-            os.kill(engine, stop_signal)
-            time.sleep(0.003)
-        assert process.poll() is None and _engine_process(process.pid) == engine, (
-            log_path.read_text()
-        )
-        children = descendants(process.pid)
-        os.killpg(process.pid, signal.SIGINT)
-        assert process.wait(60) in (0, 130), log_path.read_text()
+        yield process, log_path
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(10)
-    output = log_path.read_text()
-    assert "Traceback" not in output and "SignalInfo" not in output, output
-    check_no_orphans(children)
 
 
-def _engine_process(server_pid: int) -> int | None:
+def wait_for_engine(process: subprocess.Popen, log_path: Path) -> int:
+    """The server's engine process, as soon as it exists."""
+    deadline = time.monotonic() + 60
+    while not (engine := engine_process(process.pid)):
+        assert time.monotonic() < deadline and process.poll() is None, log_path.read_text()
+        time.sleep(0.001)
+    return engine
+
+
+def engine_process(server_pid: int) -> int | None:
     """The server's engine process once it runs (its new interpreter runs spawn_main)."""
     for child in descendants(server_pid):
         try:
@@ -325,6 +326,13 @@ def _engine_process(server_pid: int) -> int | None:
         except OSError:
             continue
     return None
+
+
+def assert_quiet_exit(log_path: Path, children: list[int]) -> None:
+    """No Python traceback nor paddle's crash report in the output, no process left."""
+    output = log_path.read_text()
+    assert "Traceback" not in output and "SignalInfo" not in output, output
+    check_no_orphans(children)
 
 
 def test_an_interpreter_that_exits_without_stopping_its_engine_does_not_hang():
