@@ -238,7 +238,8 @@ def test_max_model_len_becomes_a_multiple_of_the_block_size_and_says_so(capsys):
     assert "max_model_len reduced from 20 to 14, a multiple of --block-size 7" in (
         capsys.readouterr().err
     )
-    with pytest.raises(ValueError, match=r"^the model's context \(5\): expected at least"):
+    message = r"^--block-size: expected at most the model's context \(5\), got 7$"
+    with pytest.raises(ValueError, match=message):
         engine_config(parse_args(["--block-size", "7"]), 5)
 
 

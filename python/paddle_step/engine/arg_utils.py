@@ -248,7 +248,7 @@ def engine_config(args: argparse.Namespace, context_len: int) -> EngineConfig:
     max_model_len = wanted // block_size * block_size
     named = "--max-model-len" if args.max_model_len is not None else "the model's context"
     if max_model_len == 0:
-        raise ValueError(f"{named} ({wanted}): expected at least --block-size ({block_size})")
+        raise ValueError(f"--block-size: expected at most {named} ({wanted}), got {block_size}")
     if max_model_len != wanted:
         print(
             f"max_model_len reduced from {wanted} to {max_model_len}, a multiple of "

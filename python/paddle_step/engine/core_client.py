@@ -172,9 +172,10 @@ class EngineLoop:
 
     def wait(self) -> None:
         """Blocks until the engine process exits and its end is known (``failure``): a
-        ``--tp`` follower rank's whole job."""
+        ``--tp`` follower rank's whole job. The reader joins the process first: two
+        threads' joins race to reap it, and the loser read no exit status."""
+        self._reader.join()
         self._process.join()
-        self._reader.join(10)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stops the engine process (killed if it does not exit within ``timeout``)."""

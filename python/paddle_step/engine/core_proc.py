@@ -101,6 +101,8 @@ def run_engine(args: argparse.Namespace, commands, events) -> None:
             try:
                 finished = engine.step()  # its time goes into engine.stats.elapsed
             except Exception as error:  # noqa: BLE001 - every client gets it
+                if group is not None and _is_peer_gone(error):  # mid-step, in a collective
+                    _rank_gone(events, group.rank, error)
                 message = f"engine step failed: {type(error).__name__}: {error}"
                 _send(events, EngineFailed(message, traceback.format_exc()))
                 sys.exit(1)
@@ -193,7 +195,13 @@ def _server_gone(commands) -> bool:
     return False
 
 
-def _rank_gone(events, rank: int, error: RuntimeError) -> NoReturn:
+def _is_peer_gone(error: Exception) -> bool:
+    """Whether a collective failed because another rank's process is gone (gloo names
+    its transport: a reset or closed connection, or a timeout)."""
+    return isinstance(error, RuntimeError) and "gloo" in str(error)
+
+
+def _rank_gone(events, rank: int, error: Exception) -> NoReturn:
     """Ends this engine after another rank's process ended: rank 0 tells its server (every
     request ends with a 503), a follower says so on stderr; no traceback."""
     message = f"a tensor-parallel rank is gone ({' '.join(str(error).split())[:300]})"

@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from ...engine.arg_utils import (
     add_engine_arguments,
@@ -28,6 +29,7 @@ from ...engine.arg_utils import (
     load_tokenizer,
 )
 from ...engine.core_client import EngineLoop
+from ...engine.core_proc import STOP_SIGNALS
 
 __all__ = ["build_app", "main", "missing_serving_packages", "parse_args"]
 
@@ -170,8 +172,9 @@ def main(argv: list[str] | None = None) -> None:
     # With --tp > 1 (under paddle.distributed.launch) rank 0 serves HTTP; every rank runs
     # an engine process, and rank 0's hands the others each batch of requests.
     rank = int(os.environ.get("PADDLE_TRAINER_ID", "0")) if args.tp > 1 else 0
-    if args.tp > 1:
-        threading.Thread(target=_stop_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    launcher = os.getppid()
+    if rank == 0 and args.tp > 1:  # drains, then its engine stops the others' (Stop)
+        _when_orphaned(launcher, lambda: os.kill(os.getpid(), signal.SIGTERM))
     # SIGTERM while the model loads stops as Ctrl-C does (nothing to drain yet): the
     # engine process ignores both, so the server must stop it.
     stopped_by = []
@@ -191,6 +194,14 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         signal.signal(signal.SIGTERM, previous)
     if rank != 0:
+        # Its engine lives as long as rank 0's: stopped by its Stop, or ended when rank 0
+        # is gone. Stopping here would end rank 0's drain (the collectives need every
+        # rank), so the launcher's SIGTERM and Ctrl-C are left to rank 0; a rank whose
+        # launcher is gone stops after rank 0's drain would have ended.
+        for stop_signal in STOP_SIGNALS:
+            signal.signal(stop_signal, signal.SIG_IGN)
+        drained_s = args.shutdown_timeout + ENGINE_FAILURE_GRACE_S
+        _when_orphaned(launcher, lambda: (time.sleep(drained_s), follower.stop(timeout=0)))
         follower.wait()
         if follower.failure is not None:
             raise SystemExit(f"paddle_step.serve, rank {rank}: {follower.failure}")
@@ -261,13 +272,17 @@ def _interrupt(stopped_by: list, signum: int, _frame) -> None:
     raise KeyboardInterrupt
 
 
-def _stop_when_orphaned(launcher: int) -> None:
-    """A ``--tp`` rank whose launcher is gone (killed) is supervised by nothing, and its
-    peers may be gone too: it stops as on SIGTERM (rank 0 drains its requests first)."""
-    while os.getppid() == launcher:
-        time.sleep(ORPHAN_CHECK_S)
-    print("paddle_step.serve: the launcher is gone; stopping", file=sys.stderr)
-    os.kill(os.getpid(), signal.SIGTERM)
+def _when_orphaned(launcher: int, stop: Callable[[], object]) -> None:
+    """Runs ``stop`` in a thread of its own once this ``--tp`` rank's launcher is gone
+    (killed): nothing supervises the rank then."""
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(ORPHAN_CHECK_S)
+        print("paddle_step.serve: the launcher is gone; stopping", file=sys.stderr)
+        stop()
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def _exit_after_failure(loop: EngineLoop, server) -> None:
