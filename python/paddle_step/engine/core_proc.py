@@ -17,7 +17,7 @@ from typing import NoReturn
 
 from .core_messages import AbortRequest, AddRequest, EngineFailed, Ready, StepOutput, Stop
 
-__all__ = ["run_engine"]
+__all__ = ["STOP_SIGNALS", "ignore_stop_signals", "run_engine"]
 
 # Signals to the process group that the server handles for this process.
 STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
@@ -46,7 +46,7 @@ def run_engine(args: argparse.Namespace, commands, events) -> None:
 
     from .arg_utils import build_engine
 
-    _ignore_stop_signals()
+    ignore_stop_signals()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     try:
         engine, loaded = build_engine(args)
@@ -54,7 +54,7 @@ def run_engine(args: argparse.Namespace, commands, events) -> None:
         reason = str(error) or ("out of memory" if isinstance(error, MemoryError) else "")
         _send(events, EngineFailed(f"{type(error).__name__}: {reason}", traceback.format_exc()))
         sys.exit(1)
-    _ignore_stop_signals()  # again: the tensor-parallel setup may install paddle's
+    ignore_stop_signals()  # again: the tensor-parallel setup may install paddle's
     config = engine.config
     group = loaded.tensor_parallel
     leader = group is None or group.rank == 0
@@ -169,7 +169,8 @@ def _next_commands(engine, commands) -> list:
     return batch
 
 
-def _ignore_stop_signals() -> None:
+def ignore_stop_signals() -> None:
+    """SIGINT and SIGTERM ignored by this process: another decides when it stops."""
     for stop_signal in STOP_SIGNALS:
         signal.signal(stop_signal, signal.SIG_IGN)
 

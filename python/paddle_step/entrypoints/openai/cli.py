@@ -29,7 +29,7 @@ from ...engine.arg_utils import (
     load_tokenizer,
 )
 from ...engine.core_client import EngineLoop
-from ...engine.core_proc import STOP_SIGNALS
+from ...engine.core_proc import ignore_stop_signals
 
 __all__ = ["build_app", "main", "missing_serving_packages", "parse_args"]
 
@@ -198,8 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         # is gone. Stopping here would end rank 0's drain (the collectives need every
         # rank), so the launcher's SIGTERM and Ctrl-C are left to rank 0; a rank whose
         # launcher is gone stops after rank 0's drain would have ended.
-        for stop_signal in STOP_SIGNALS:
-            signal.signal(stop_signal, signal.SIG_IGN)
+        ignore_stop_signals()
         drained_s = args.shutdown_timeout + ENGINE_FAILURE_GRACE_S
         _when_orphaned(launcher, lambda: (time.sleep(drained_s), follower.stop(timeout=0)))
         follower.wait()
