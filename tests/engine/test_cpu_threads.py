@@ -1,14 +1,18 @@
 """The engine computes on every core it may run on unless told otherwise, and says when
 the prompt region, not the batch slots, limits admission."""
 
+import ctypes
 import logging
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
 from paddle_step.config import EngineConfig, ModelConfig
 from paddle_step.engine.arg_utils import add_engine_arguments, engine_config
-from paddle_step.engine.cpu_threads import available_cores, default_threads
+from paddle_step.engine.cpu_threads import INTEL_OPENMP, available_cores, default_threads
 from paddle_step.engine.llm_engine import Engine
 from paddle_step.models.llama import LlamaForCausalLM
 from paddle_step.sampling_params import SamplingParams
@@ -36,6 +40,43 @@ def test_engine_uses_every_core_unless_told() -> None:
     model = LlamaForCausalLM(ModelConfig())
     assert Engine(model, EngineConfig(**BASE)).threads == len(os.sched_getaffinity(0))
     assert Engine(model, EngineConfig(**BASE, threads=1)).threads == 1
+
+
+def _intel_openmp():
+    try:
+        return ctypes.CDLL(INTEL_OPENMP, mode=os.RTLD_NOLOAD)
+    except OSError:
+        pytest.skip(f"{INTEL_OPENMP} is not loaded by this paddle build")
+
+
+def test_engine_puts_idle_openmp_threads_to_sleep_at_once(monkeypatch) -> None:
+    # Spinning for the default 200 ms after each of Paddle's parallel regions, they would
+    # hold the cores the op's pool needs next.
+    monkeypatch.delenv("KMP_BLOCKTIME", raising=False)
+    runtime = _intel_openmp()
+    runtime.kmp_set_blocktime(ctypes.c_int(200))
+    Engine(LlamaForCausalLM(ModelConfig()), EngineConfig(**BASE))
+    assert runtime.kmp_get_blocktime() == 0
+
+
+def test_engine_leaves_a_blocktime_the_user_set() -> None:
+    _intel_openmp()
+    script = textwrap.dedent(f"""
+        import ctypes, os
+        import zlib
+        from paddle_step.config import EngineConfig, ModelConfig
+        from paddle_step.engine.llm_engine import Engine
+        from paddle_step.models.llama import LlamaForCausalLM
+        Engine(LlamaForCausalLM(ModelConfig()), EngineConfig(**{BASE!r}))
+        runtime = ctypes.CDLL({INTEL_OPENMP!r}, mode=os.RTLD_NOLOAD)
+        print("blocktime", runtime.kmp_get_blocktime())
+    """)
+    env = {**os.environ, "KMP_BLOCKTIME": "7"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "blocktime 7" in done.stdout
 
 
 def test_threads_flag_reaches_the_engine_config() -> None:

@@ -5,11 +5,22 @@ engine would compute on one core."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["available_cores", "default_threads", "one_math_thread", "set_compute_threads"]
+__all__ = [
+    "available_cores",
+    "default_threads",
+    "one_math_thread",
+    "release_idle_openmp_threads",
+    "set_compute_threads",
+]
+
+# Intel's OpenMP runtime, which Paddle's MKL and oneDNN kernels run their threads on.
+INTEL_OPENMP = "libiomp5.so"
+BLOCKTIME_ENV = "KMP_BLOCKTIME"
 
 
 def available_cores() -> int:
@@ -33,6 +44,29 @@ def set_compute_threads(threads: int) -> None:
 
     core.set_num_threads(threads)
     cpu_linear.set_num_threads(threads)
+    release_idle_openmp_threads()
+
+
+def release_idle_openmp_threads() -> bool:
+    """Makes the OpenMP threads of Paddle's kernels sleep as soon as a parallel region ends
+    (Intel OpenMP's blocktime 0, for the teams the calling thread starts), unless
+    ``KMP_BLOCKTIME`` is set in the environment; True where it did.
+
+    By default they spin for 200 ms after each region, holding the cores that this
+    package's own threads (the CPU op's pool) need next: one Paddle matmul in a decode step
+    made the op's products as slow as on one thread (h512, B = 1, two threads on an Intel
+    Xeon: 133 against 265 tok/s), and the dense blocks' timing then kept Paddle's kernels
+    for the wrong reason. A region's threads that sleep cost a wake-up (microseconds) at the
+    next one. The runtime must be loaded already (``import paddle`` loads it); where it is
+    not (another BLAS build), nothing changes."""
+    if BLOCKTIME_ENV in os.environ:
+        return False
+    try:
+        runtime = ctypes.CDLL(INTEL_OPENMP, mode=os.RTLD_NOLOAD)
+    except OSError:
+        return False
+    runtime.kmp_set_blocktime(ctypes.c_int(0))
+    return True
 
 
 @contextmanager
