@@ -57,7 +57,7 @@ import paddle_step_ops as _library  # noqa: E402
 from paddle_step.engine.cpu_threads import available_cores  # noqa: E402
 from paddle_step.layers import cpu_linear  # noqa: E402
 from paddle_step.layers.dense_blocks import WIDENED_ISA  # noqa: E402
-from paddle_step.layers.prefetch_distance import choose, last_level_cache_bytes  # noqa: E402
+from paddle_step.layers.prefetch_distance import choose, describe, last_level_cache_bytes  # noqa: E402
 
 ROWS = (1, 8, 32)
 HIDDEN, INTERMEDIATE, QKV, VOCAB = 896, 4864, 1152, 151936
@@ -115,7 +115,10 @@ def machine_limits(threads: int, read_mib: int, repeats: int, layer: Product) ->
     return {
         "read_gb_s": (read_mib << 20) / seconds / 1e9,
         "peak_gflop_s": peak / 1e9,
-        "prefetch_bytes": {"one_row": prefetch.one_row, "several_rows": prefetch.several_rows},
+        "prefetch": {
+            "one_row": describe(prefetch.one_row),
+            "several_rows": describe(prefetch.several_rows),
+        },  # fmt: skip
     }
 
 
@@ -283,10 +286,10 @@ def print_report(report: dict) -> None:
           f"last-level cache {llc:.0f} MiB), paddle {env['paddle']}; weights in "
           f"{env['format']}")  # fmt: skip
     for threads, limits in report["machine"].items():
-        prefetch = limits["prefetch_bytes"]
+        prefetch = limits["prefetch"]
         print(f"{threads} thread(s): read bandwidth {limits['read_gb_s']:.1f} GB/s, "
               f"matmul peak {limits['peak_gflop_s']:.1f} GFLOP/s; the op prefetches "
-              f"{prefetch['one_row']} B ahead for one row, {prefetch['several_rows']} B for "
+              f"{prefetch['one_row']} ahead for one row, {prefetch['several_rows']} for "
               "several")  # fmt: skip
     for name, product in report["config"]["products"].items():
         print(f"{name}: {product['shapes']}, {product['weight_mb']:.1f} MB, "

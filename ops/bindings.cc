@@ -205,7 +205,8 @@ PYBIND11_MODULE(paddle_step_ops, module) {
   module.def("cpu_linear_best_isa", &paddle_step::CpuLinearBestIsa);
   module.def("cpu_linear_set_prefetch_bytes",
              &paddle_step::CpuLinearSetPrefetchBytes, pybind11::arg("one_row"),
-             pybind11::arg("several_rows"));
+             pybind11::arg("several_rows"), pybind11::arg("l2_one_row") = 0,
+             pybind11::arg("l2_several_rows") = 0);
   module.def("cpu_linear_prefetch_bytes", &paddle_step::CpuLinearPrefetchBytes);
   module.def("cpu_write_kv", &paddle_step::CpuWriteKv,
              pybind11::arg("key_cache"), pybind11::arg("value_cache"),

@@ -62,6 +62,8 @@ struct CpuLinearState {
   std::string isa_error;
   int64_t prefetch_one_row = cpu::kDefaultPrefetchBytes;
   int64_t prefetch_several_rows = cpu::kDefaultPrefetchBytes;
+  int64_t prefetch_l2_one_row = 0;
+  int64_t prefetch_l2_several_rows = 0;
   cpu::ThreadPool pool;
 
   CpuLinearState() {
@@ -235,6 +237,8 @@ paddle::Tensor CpuLinear(const paddle::Tensor& x, const paddle::Tensor& weights,
   problem.y_stride = n;
   problem.prefetch_bytes =
       m == 1 ? state.prefetch_one_row : state.prefetch_several_rows;
+  problem.prefetch_l2_bytes =
+      m == 1 ? state.prefetch_l2_one_row : state.prefetch_l2_several_rows;
   // The caller's thread prepares x, the pool's threads read it.
   thread_local std::vector<uint32_t> scratch;
   scratch.resize(cpu::ActivationBytes(isa, problem.w, m) / sizeof(uint32_t));
@@ -267,21 +271,29 @@ std::string CpuLinearIsa() { return cpu::IsaName(State().isa); }
 
 std::string CpuLinearBestIsa() { return cpu::IsaName(State().best); }
 
-void CpuLinearSetPrefetchBytes(int64_t one_row, int64_t several_rows) {
+void CpuLinearSetPrefetchBytes(int64_t one_row, int64_t several_rows,
+                               int64_t l2_one_row, int64_t l2_several_rows) {
   const std::string expected =
       "a multiple of 64 from 0 to " + std::to_string(kMaxPrefetchBytes);
-  for (const auto& [name, bytes] : {std::pair{"one_row", one_row},
-                                    std::pair{"several_rows", several_rows}}) {
+  for (const auto& [name, bytes] :
+       {std::pair{"one_row", one_row}, std::pair{"several_rows", several_rows},
+        std::pair{"l2_one_row", l2_one_row},
+        std::pair{"l2_several_rows", l2_several_rows}}) {
     if (bytes < 0 || bytes > kMaxPrefetchBytes || bytes % 64 != 0) {
       kCheck.Fail(name, expected, std::to_string(bytes));
     }
   }
-  State().prefetch_one_row = one_row;
-  State().prefetch_several_rows = several_rows;
+  CpuLinearState& state = State();
+  state.prefetch_one_row = one_row;
+  state.prefetch_several_rows = several_rows;
+  state.prefetch_l2_one_row = l2_one_row;
+  state.prefetch_l2_several_rows = l2_several_rows;
 }
 
 std::vector<int64_t> CpuLinearPrefetchBytes() {
-  return {State().prefetch_one_row, State().prefetch_several_rows};
+  const CpuLinearState& state = State();
+  return {state.prefetch_one_row, state.prefetch_several_rows,
+          state.prefetch_l2_one_row, state.prefetch_l2_several_rows};
 }
 
 double CpuReadSum(const paddle::Tensor& data) {

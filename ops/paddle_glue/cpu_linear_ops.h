@@ -49,14 +49,16 @@ std::string CpuLinearIsa();
 std::string CpuLinearBestIsa();
 
 // How far ahead of their loads the products ask for weights, in bytes, for
-// products of one row of x and of several: multiples of 64 from 0 (the
-// hardware prefetcher alone) to kMaxPrefetchBytes. The best distance depends
-// on the CPU, its memory and how much a tile computes per byte, so it is
-// chosen by timing (cpu_linear.choose_prefetch_bytes); it never changes a
-// result.
+// products of one row of x and of several: into the first-level cache (0: the
+// hardware prefetcher alone) and, besides, into the second-level cache (l2_;
+// 0: not at all); multiples of 64 up to kMaxPrefetchBytes. The best distances
+// depend on the CPU, its memory and how much a tile computes per byte, so
+// they are chosen by timing (layers/prefetch_distance.py); they never change
+// a result.
 constexpr int64_t kMaxPrefetchBytes = 65536;
-void CpuLinearSetPrefetchBytes(int64_t one_row, int64_t several_rows);
-// {one row, several rows}.
+void CpuLinearSetPrefetchBytes(int64_t one_row, int64_t several_rows,
+                               int64_t l2_one_row, int64_t l2_several_rows);
+// {one row, several rows, l2 one row, l2 several rows}.
 std::vector<int64_t> CpuLinearPrefetchBytes();
 
 // Sum of a contiguous float32 CPU tensor, read on all the product's threads

@@ -300,6 +300,9 @@ def test_prefetch_distance_never_changes_a_product(isa_path, weight_format, grou
             args = (paddle.to_tensor(x), packed, None if bias is None else paddle.to_tensor(bias))
             outputs = []
             for distance in (0, 64, 16384, 65536):
+                l2 = cpu_linear.Prefetch(distance, 65536 - distance)
+                cpu_linear.set_prefetch_bytes(l2, l2)
+                outputs.append(cpu_linear.linear(*args).numpy())
                 cpu_linear.set_prefetch_bytes(distance, 65536 - distance)
                 outputs.append(cpu_linear.linear(*args).numpy())
             for y in outputs[1:]:
@@ -356,6 +359,10 @@ def test_bad_arguments_are_named():
          cpu_linear.set_prefetch_bytes, 0, 100),
         ("'several_rows': expected a multiple of 64 from 0 to 65536, got 65600",
          cpu_linear.set_prefetch_bytes, 64, 65600),
+        ("'l2_one_row': expected a multiple of 64 from 0 to 65536, got 32",
+         cpu_linear.set_prefetch_bytes, cpu_linear.Prefetch(64, 32), 0),
+        ("'l2_several_rows': expected a multiple of 64 from 0 to 65536, got 131072",
+         cpu_linear.set_prefetch_bytes, 0, cpu_linear.Prefetch(0, 131072)),
     ]  # fmt: skip
     kept = cpu_linear.prefetch_bytes()
     for match, call, *args in cases:

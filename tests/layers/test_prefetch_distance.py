@@ -70,8 +70,8 @@ def test_choose_keeps_the_shortest_near_fastest_distance_per_row_count(restored,
         assert list(timings) == list(prefetch_distance.CANDIDATES)
         assert all(ms > 0 for ms in timings.values())
         fastest = min(timings.values())
-        near = [b for b, ms in timings.items() if ms <= fastest * (1 + prefetch_distance.NEAR_BEST)]
-        assert kept == min(near)  # the shortest of the near-fastest
+        near = [d for d, ms in timings.items() if ms <= fastest * (1 + prefetch_distance.NEAR_BEST)]
+        assert kept == near[0]  # the first of the near-fastest
     assert cpu_linear.prefetch_bytes() == (choice.one_row, choice.several_rows)
     # Remembered for the process: set again without timing.
     cpu_linear.set_prefetch_bytes(64, 128)
@@ -79,11 +79,23 @@ def test_choose_keeps_the_shortest_near_fastest_distance_per_row_count(restored,
     assert cpu_linear.prefetch_bytes() == (choice.one_row, choice.several_rows)
 
 
-def test_the_shortest_distance_near_the_fastest_is_kept():
-    near = prefetch_distance._shortest_near_best
+def test_the_first_distance_near_the_fastest_is_kept():
+    near = prefetch_distance._first_near_best
     assert near({0: 1.2, 2048: 1.04, 8192: 1.0, 16384: 1.01}) == 2048
     assert near({0: 1.2, 2048: 1.06, 8192: 1.0, 16384: 1.01}) == 8192
     assert near({0: 1.0, 2048: 1.0}) == 0
+    with_l2 = cpu_linear.Prefetch(2048, 8192)
+    assert near({cpu_linear.Prefetch(2048): 1.1, with_l2: 1.0}) == with_l2
+    assert near({cpu_linear.Prefetch(2048): 1.04, with_l2: 1.0}) == (2048, 0)
+
+
+def test_candidates_ask_into_l1_alone_first_then_into_l2_too():
+    candidates = prefetch_distance.CANDIDATES
+    alone = [d for d in candidates if d.l2 == 0]
+    assert candidates[: len(alone)] == tuple(alone) and alone == sorted(alone)
+    assert all(d.l2 > d.l1 for d in candidates[len(alone) :])
+    assert prefetch_distance.describe(cpu_linear.Prefetch(2048, 8192)) == "2048 B (L2 8192 B)"
+    assert prefetch_distance.describe(cpu_linear.Prefetch(1024)) == "1024 B"
 
 
 def test_choose_for_model_times_whole_layers_past_twice_the_cache(restored, monkeypatch):

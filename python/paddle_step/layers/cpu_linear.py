@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import paddle
@@ -163,14 +164,26 @@ def best_isa() -> str:
     return _library.cpu_linear_best_isa()
 
 
-def set_prefetch_bytes(one_row: int, several_rows: int) -> None:
+class Prefetch(NamedTuple):
+    """How far ahead of its loads a product asks for weights, in bytes (multiples of 64 up
+    to 65,536): into the first-level cache (``l1``; 0 leaves it to the hardware prefetcher)
+    and, besides, into the second-level cache (``l2``; 0: not at all)."""
+
+    l1: int
+    l2: int = 0
+
+
+def set_prefetch_bytes(one_row: int | Prefetch, several_rows: int | Prefetch) -> None:
     """How far ahead of their loads products of one row of x and of several ask for
-    weights: multiples of 64 bytes up to 65,536, 0 for none. Never changes a result; the
-    engine times the best (``layers.prefetch_distance``)."""
-    _library.cpu_linear_set_prefetch_bytes(one_row, several_rows)
+    weights (an int: ``Prefetch(l1)``). Never changes a result; the engine times the best
+    (``layers.prefetch_distance``)."""
+    one_row, several_rows = (Prefetch(*d) if isinstance(d, tuple) else Prefetch(d)
+                             for d in (one_row, several_rows))  # fmt: skip
+    _library.cpu_linear_set_prefetch_bytes(one_row.l1, several_rows.l1, one_row.l2,
+                                           several_rows.l2)  # fmt: skip
 
 
-def prefetch_bytes() -> tuple[int, int]:
+def prefetch_bytes() -> tuple[Prefetch, Prefetch]:
     """The distances products use now: (one row, several rows)."""
-    one_row, several_rows = _library.cpu_linear_prefetch_bytes()
-    return one_row, several_rows
+    one_row, several_rows, l2_one_row, l2_several_rows = _library.cpu_linear_prefetch_bytes()
+    return Prefetch(one_row, l2_one_row), Prefetch(several_rows, l2_several_rows)

@@ -12,7 +12,10 @@ shortest distance within ``NEAR_BEST`` of the fastest: a longer one asks for lin
 end of each product's weights and holds more of the cache, which the products timed back to
 back do not show but a decode step, with attention and norms between them, does (one row,
 one thread: steps 2.4% slower at 8 KB than at 2 KB and 10% at 16 KB, where the products
-alone were fastest at 8 KB and within 4% of it at 16 KB).
+alone were fastest at 8 KB and within 4% of it at 16 KB). After those come distances that
+also ask for lines further ahead into the second-level cache: on an Intel Xeon (Emerald
+Rapids, 2 cores of a VM), 2 KB into L1 with 8 KB into L2 streamed products of 1 and 8 rows
+10-16% faster than 2 KB alone.
 """
 
 from __future__ import annotations
@@ -37,10 +40,17 @@ __all__ = [
     "PrefetchChoice",
     "choose",
     "choose_for_model",
+    "describe",
     "last_level_cache_bytes",
 ]
 
-CANDIDATES = (0, 1024, 2048, 4096, 8192, 16384, 32768)  # bytes
+# In order of preference (the first near the fastest is kept): into L1 alone, nearest
+# first, then also into L2 further ahead.
+CANDIDATES = tuple(cpu_linear.Prefetch(l1) for l1 in (0, 1024, 2048, 4096, 8192, 16384, 32768)) + (
+    cpu_linear.Prefetch(2048, 8192),
+    cpu_linear.Prefetch(2048, 16384),
+    cpu_linear.Prefetch(0, 16384),
+)
 # The rows timed for each setting: a single-sequence decode step, and a batch's.
 ONE_ROW, SEVERAL_ROWS = 1, 8
 REPEATS = 5  # timed passes of each distance, interleaved; the median counts
@@ -55,9 +65,9 @@ logger = logging.getLogger(__name__)
 class PrefetchChoice:
     """The distances kept, and the median ms of a timed pass at each (by rows)."""
 
-    one_row: int
-    several_rows: int
-    timings: dict[int, dict[int, float]]
+    one_row: cpu_linear.Prefetch
+    several_rows: cpu_linear.Prefetch
+    timings: dict[int, dict[cpu_linear.Prefetch, float]]
 
 
 _chosen: dict[tuple, PrefetchChoice] = {}
@@ -91,7 +101,7 @@ def choose(products: Sequence[cpu_linear.PackedWeights]) -> PrefetchChoice:
         cpu_linear.set_prefetch_bytes(choice.one_row, choice.several_rows)
         return choice
     kept = cpu_linear.prefetch_bytes()
-    timings: dict[int, dict[int, float]] = {}
+    timings: dict[int, dict[cpu_linear.Prefetch, float]] = {}
     try:
         for rows in (ONE_ROW, SEVERAL_ROWS):
             inputs = {k: paddle.full([rows, k], 0.25, "float32") for k in {p.k for p in products}}
@@ -101,34 +111,41 @@ def choose(products: Sequence[cpu_linear.PackedWeights]) -> PrefetchChoice:
                     cpu_linear.linear(inputs[packed.k], packed)
 
             run_pass()  # warms the threads and the page tables
-            samples: dict[int, list[float]] = {bytes_: [] for bytes_ in CANDIDATES}
+            samples: dict[cpu_linear.Prefetch, list[float]] = {d: [] for d in CANDIDATES}
             for _ in range(REPEATS):
-                for bytes_ in CANDIDATES:
-                    cpu_linear.set_prefetch_bytes(bytes_, bytes_)
+                for distance in CANDIDATES:
+                    cpu_linear.set_prefetch_bytes(distance, distance)
                     started = time.perf_counter()
                     run_pass()
-                    samples[bytes_].append((time.perf_counter() - started) * 1e3)
-            timings[rows] = {b: statistics.median(s) for b, s in samples.items()}
+                    samples[distance].append((time.perf_counter() - started) * 1e3)
+            timings[rows] = {d: statistics.median(s) for d, s in samples.items()}
     finally:
         cpu_linear.set_prefetch_bytes(*kept)
-    best = {rows: _shortest_near_best(times) for rows, times in timings.items()}
+    best = {rows: _first_near_best(times) for rows, times in timings.items()}
     choice = PrefetchChoice(best[ONE_ROW], best[SEVERAL_ROWS], timings)
     cpu_linear.set_prefetch_bytes(choice.one_row, choice.several_rows)
     _chosen[key] = choice
     megabytes = sum(p.nbytes for p in products) / 1e6
     for rows, times in timings.items():
         logger.debug(
-            "prefetch distance, %d row(s) x %d products (%.1f MB) on %d threads: %s -> %d bytes",
+            "prefetch distance, %d row(s) x %d products (%.1f MB) on %d threads: %s -> %s",
             rows, len(products), megabytes, key[1],
-            ", ".join(f"{b} B {ms:.3f} ms" for b, ms in times.items()), best[rows],
+            ", ".join(f"{describe(d)} {ms:.3f} ms" for d, ms in times.items()),
+            describe(best[rows]),
         )  # fmt: skip
     return choice
 
 
-def _shortest_near_best(times: dict[int, float]) -> int:
-    """The shortest distance whose time is within ``NEAR_BEST`` of the fastest."""
+def _first_near_best(times: dict[cpu_linear.Prefetch, float]) -> cpu_linear.Prefetch:
+    """The first distance (in ``times``' order, ``CANDIDATES``') whose time is within
+    ``NEAR_BEST`` of the fastest."""
     fastest = min(times.values())
-    return min(b for b, ms in times.items() if ms <= fastest * (1 + NEAR_BEST))
+    return next(d for d, ms in times.items() if ms <= fastest * (1 + NEAR_BEST))
+
+
+def describe(distance: cpu_linear.Prefetch) -> str:
+    """``distance`` in words, e.g. "2048 B (L2 8192 B)"."""
+    return f"{distance.l1} B" + (f" (L2 {distance.l2} B)" if distance.l2 else "")
 
 
 def choose_for_model(model: LlamaForCausalLM) -> PrefetchChoice | None:
