@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -57,8 +58,12 @@ METHODS = ("eager", "op", "op_widened", "compiled")
 WIDENED_ISA = "avx512"
 OP_WAYS = ("op", "op_widened")
 # Timed calls of each way when a row count class first appears (after one untimed call,
-# which traces the compiled program and warms the kernels): the fastest of them counts.
-TIMED_CALLS = 2
+# which traces the compiled program and warms the kernels), in rounds that call every way
+# in turn, so that a burst of another job on a shared machine slows one round of all of
+# them rather than every call of one: the fastest of each way's calls counts.
+TIMED_CALLS = 3
+# Timed runs of each way of a step's layers (``LayerFusion.choose``), alternating.
+FUSION_ROUNDS = 2
 
 logger = logging.getLogger(__name__)
 
@@ -393,15 +398,14 @@ class DenseBlock:
     def _measure(self, rows_class: int, args):
         """Times every way on ``args``, keeps the fastest for ``rows_class``, returns its
         outputs."""
-        outputs, best = {}, []
-        for method in self._functions:
-            outputs[method] = self.run(method, *args)  # warms up (and traces) first
-            times = []
-            for _ in range(TIMED_CALLS):
+        outputs = {method: self.run(method, *args) for method in self._functions}  # warm-up
+        times: dict[str, list[float]] = {method: [] for method in self._functions}
+        for _ in range(TIMED_CALLS):
+            for method in self._functions:
                 started = time.perf_counter()
                 outputs[method] = self.run(method, *args)
-                times.append(time.perf_counter() - started)
-            best.append(min(times))
+                times[method].append(time.perf_counter() - started)
+        best = [min(times[method]) for method in self._functions]
         if self.agree is not None:
             best = self.agree(paddle.to_tensor(best, dtype="float64")).numpy().tolist()
         timings = dict(zip(self._functions, best))
@@ -483,18 +487,20 @@ class LayerFusion:
         """A step's hidden states over ``rows`` tokens where ``fuse_layers`` is None:
         ``blocks()`` once more if the blocks have not measured the class yet (they time
         their ways on that call) and ``fused()`` if they then keep our op; else both timed,
-        once each (both write the same cache slots), the faster kept for the class and
-        its result returned, computed last so that the cache holds its K/V."""
+        ``FUSION_ROUNDS`` times each, alternating (both write the same cache slots), the
+        faster (by its fastest run) kept for the class and its result returned, computed
+        last so that the cache holds its K/V."""
         if any(block.way_for(rows) is None for block in self.blocks.layer_blocks):
             hidden = blocks()
             fuse = self.fuse_layers(rows)
             if fuse is not None:
                 return fused() if fuse else hidden
-        timings = {}
-        for fuse, run in ((False, blocks), (True, fused)):
-            started = time.perf_counter()
-            hidden = run()
-            timings[fuse] = time.perf_counter() - started
+        timings = {False: math.inf, True: math.inf}
+        for _ in range(FUSION_ROUNDS):
+            for fuse, run in ((False, blocks), (True, fused)):
+                started = time.perf_counter()
+                hidden = run()
+                timings[fuse] = min(timings[fuse], time.perf_counter() - started)
         fuse = timings[True] < timings[False]
         rows_class = padded_rows(rows)
         self.choice[rows_class] = fuse
