@@ -200,8 +200,14 @@ def copies_beyond(cache_bytes: int, weight_bytes: int) -> int:
     return max(2, -(-2 * cache_bytes // weight_bytes) + 1)
 
 
+# The smoke run (--quick) sizes its copies past a cache of at most this much: on a CPU with
+# a last-level cache of hundreds of MB, sizing them past it took a minute per format.
+QUICK_CACHE_BYTES = 32 << 20
+
+
 def measure(args) -> dict:
     llc = last_level_cache_bytes()
+    sized_past = min(llc, QUICK_CACHE_BYTES) if args.quick else llc
     vocab = 16384 if args.quick else VOCAB
     intermediate = 1024 if args.quick else INTERMEDIATE
     read_mib = 64 if args.quick else 512
@@ -213,7 +219,7 @@ def measure(args) -> dict:
     ):
         element = cpu_linear.BYTES_PER_WEIGHT[args.format]
         bytes_ = element * sum(k * n for k, n in shapes)
-        copies = 1 if name == "lm_head" and not args.quick else copies_beyond(llc, bytes_)
+        copies = 1 if name == "lm_head" and not args.quick else copies_beyond(sized_past, bytes_)
         products.append(Product(name, shapes, copies, seed, args.format))
 
     limits, results = {}, []
