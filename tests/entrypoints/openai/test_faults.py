@@ -262,7 +262,13 @@ def test_ctrl_c_while_the_model_loads_exits_without_a_traceback(
         time.sleep(after_s)
         children = descendants(process.pid)
         os.killpg(process.pid, stop_signal)
-        assert process.wait(60) in (0, 128 + stop_signal, -stop_signal), log_path.read_text()
+        quiet = (0, 128 + stop_signal, -stop_signal)
+        if since == "server":
+            # Known, not yet explained: on a slower CPU (an Intel Xeon guest), about 1 run
+            # in 6 of SIGTERM 0.3 s after start ends the server silently by SIGINT (-2),
+            # with builds before and after the change that found it.
+            quiet += (-signal.SIGINT,)
+        assert process.wait(60) in quiet, log_path.read_text()
     assert_quiet_exit(log_path, children)
 
 
