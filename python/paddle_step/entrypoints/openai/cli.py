@@ -266,9 +266,16 @@ def _refuse_a_taken_address(host: str, port: int) -> None:
         ) from None
 
 
+class _StopSignal(KeyboardInterrupt):
+    """SIGTERM while the model loads. Not a plain KeyboardInterrupt: CPython (3.11 here)
+    marks a plain one raised inside ``exec``/``eval`` of a string (namedtuple and dataclass
+    code run so while modules import) as unhandled even once caught, and then ends a
+    ``-m`` program by SIGINT, silently, instead of with its exit status."""
+
+
 def _interrupt(stopped_by: list, signum: int, _frame) -> None:
     stopped_by.append(signum)
-    raise KeyboardInterrupt
+    raise _StopSignal
 
 
 def _when_orphaned(launcher: int, stop: Callable[[], object]) -> None:
