@@ -181,6 +181,25 @@ def test_isa_paths_and_thread_counts_agree_closely():
 
 
 @pytest.mark.parametrize("weight_format, group_size", FORMATS)
+def test_a_row_computes_the_same_bits_in_any_batch(isa_path, weight_format, group_size):
+    """Each row of a product of M rows equals that row's product alone, bit for bit, on
+    every path: a row's sums run in the order of k whatever tile it is in, and whatever
+    form x takes for the tile (from 9 rows, the AVX-512 float32 tiles read x regrouped
+    in tiles of 12 rows; K = 37 leaves a part of 16 values)."""
+    rng = np.random.default_rng(11)
+    w = rng.standard_normal((37, 70)).astype(np.float32)
+    bias = paddle.to_tensor(rng.standard_normal(70).astype(np.float32))
+    packed = cpu_linear.pack(w, weight_format, group_size)
+    x = rng.standard_normal((33, 37)).astype(np.float32)
+    alone = np.concatenate(
+        [cpu_linear.linear(paddle.to_tensor(x[r : r + 1]), packed, bias).numpy() for r in range(33)]
+    )
+    for m in (8, 9, 12, 13, 25, 33):
+        batch = cpu_linear.linear(paddle.to_tensor(x[:m]), packed, bias).numpy()
+        np.testing.assert_array_equal(batch, alone[:m], err_msg=f"M = {m}")
+
+
+@pytest.mark.parametrize("weight_format, group_size", FORMATS)
 def test_column_shard_equals_slice_of_full_product(weight_format, group_size):
     """A tensor-parallel column shard packed on its own computes the same bits as the same
     columns of the whole product (scales follow their columns)."""
