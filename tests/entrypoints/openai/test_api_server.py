@@ -208,7 +208,11 @@ BAD_REQUESTS = [
     ("temperature", {"prompt": "hi", "temperature": 2.5}, "temperature"),
     ("top_p", {"prompt": "hi", "top_p": 0}, "top_p"),
     ("n < 1", {"prompt": "hi", "n": 0}, "'n'"),
-    ("unknown field", {"prompt": "hi", "frobnicate": 1}, "frobnicate"),
+    (
+        "unknown field",
+        {"prompt": "hi", "frobnicate": [1, "a"]},
+        "'frobnicate': Extra inputs are not permitted, got [1, \"a\"]",
+    ),
     ("suffix", {"prompt": "hi", "suffix": "x"}, "suffix"),
     ("empty prompt", {"prompt": ""}, "prompt"),
     ("ids past the embedding", {"prompt": [5, 400]}, "token ids must be in [0, 400)"),
@@ -249,7 +253,7 @@ BAD_REQUESTS = [
     (
         "number as a word",
         {"prompt": "hi", "temperature": "hot"},
-        "'temperature': Input should be a valid integer or a valid number",
+        "'temperature': Input should be a valid integer or a valid number, got \"hot\"",
     ),
     (
         "bias as a word",
@@ -257,6 +261,11 @@ BAD_REQUESTS = [
         "'logit_bias.5': Input should be a valid integer or a valid number",
     ),
     ("stop as a number", {"prompt": "hi", "stop": 5}, "'stop': Input should be a valid string or"),
+    (
+        "a long value, cut",
+        {"prompt": "hi", "suffix": "y" * 500},
+        f"'suffix': Input should be None, got \"{'y' * 76}...",
+    ),
     (
         "best_of with a schema",
         {"prompt": "hi", "best_of": 2, "response_format": {"type": "json_object"}},

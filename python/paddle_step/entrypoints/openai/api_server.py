@@ -101,11 +101,12 @@ def create_app(
         errors = error.errors()
         first = errors[0]
         where = _field_of(first)
-        message = (
-            f"'{where}': {_union_message(errors, first)}"
-            if where
-            else first.get("msg", "bad request")
-        )
+        message = first.get("msg", "bad request")
+        if where:
+            detail = _union_message(errors, first)
+            if " got " not in detail:  # our own checks name the value already
+                detail += _received(first)
+            message = f"'{where}': {detail}"
         # Malformed JSON's loc is ("body", character offset): the offset is not a field.
         if first.get("type") == "json_invalid" or not (where or isinstance(error.body, dict)):
             where = None
@@ -544,6 +545,9 @@ async def _sse(
         _abort_all(loop, runs)
 
 
+# How much of a refused value an error message repeats.
+RECEIVED_CHARS = 80
+
 # The parts of a pydantic error location that name no field: the request body, and the
 # member of a union that was tried ('temperature.int', 'stop.list[str]').
 _UNION_MEMBER = re.compile(r"(int|float|str|bool|none|[a-z-]+\[.*\])")
@@ -577,6 +581,20 @@ def _union_message(errors: list[dict], first: dict) -> str:
     first_message, *others = members
     others = [other.removeprefix("Input should be ") for other in others]
     return " or ".join([first_message, *others])
+
+
+def _received(error: dict) -> str:
+    """', got <the value>' for a pydantic error about a value the request sent (JSON, cut
+    to ``RECEIVED_CHARS``), so the message names what came as well as what is expected."""
+    if error.get("type") == "missing" or "input" not in error:
+        return ""
+    try:
+        text = json.dumps(error["input"], ensure_ascii=False)
+    except (TypeError, ValueError):  # not JSON (pydantic may hand over a model)
+        return ""
+    if len(text) > RECEIVED_CHARS:
+        text = text[: RECEIVED_CHARS - 3] + "..."
+    return f", got {text}"
 
 
 def _max_prompt_bytes(tokenizer, max_model_len: int) -> int:
