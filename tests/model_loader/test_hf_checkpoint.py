@@ -17,6 +17,7 @@ from paddle_step.engine.llm_engine import Engine
 from paddle_step.engine.naive import generate_naive
 from paddle_step.errors import CheckpointError
 from paddle_step.layers.dense_blocks import onednn_available
+from paddle_step.model_loader import weights
 from paddle_step.model_loader.hf_config import model_config_from_hf
 from paddle_step.model_loader.loader import load_checkpoint
 from paddle_step.model_loader.weights import read_safetensors
@@ -488,3 +489,16 @@ def test_eos_ids_prefer_generation_config_and_accept_lists(tmp_path) -> None:
     edit_config(path, eos_token_id=[1, 999])
     with pytest.raises(CheckpointError, match=r"\[999\]"):
         load_checkpoint(path)
+
+
+@pytest.mark.parametrize("rows", [1, weights.TRANSPOSE_ROWS, weights.TRANSPOSE_ROWS + 3, 600])
+def test_weights_are_transposed_and_cast_in_one_copy(rows):
+    """A Linear weight comes out as [in, out], C-contiguous, in the model's dtype, whatever its
+    row count against the slices the copy moves; a weight already in place is not copied."""
+    source = np.random.default_rng(rows).standard_normal((rows, 37))
+    for dtype in ("float32", "float64"):
+        moved = weights._in_layout(source, dtype, transpose=True)
+        assert moved.flags.c_contiguous and moved.dtype == dtype
+        np.testing.assert_array_equal(moved, source.T.astype(dtype))
+    kept = weights._in_layout(source, "float64", transpose=False)
+    assert np.shares_memory(kept, source)

