@@ -494,11 +494,37 @@ def test_eos_ids_prefer_generation_config_and_accept_lists(tmp_path) -> None:
 @pytest.mark.parametrize("rows", [1, weights.TRANSPOSE_ROWS, weights.TRANSPOSE_ROWS + 3, 600])
 def test_weights_are_transposed_and_cast_in_one_copy(rows):
     """A Linear weight comes out as [in, out], C-contiguous, in the model's dtype, whatever its
-    row count against the slices the copy moves; a weight already in place is not copied."""
+    row count against the slices the copy moves; a weight already in place is copied too
+    (the source may map the checkpoint's file)."""
     source = np.random.default_rng(rows).standard_normal((rows, 37))
     for dtype in ("float32", "float64"):
         moved = weights._in_layout(source, dtype, transpose=True)
         assert moved.flags.c_contiguous and moved.dtype == dtype
         np.testing.assert_array_equal(moved, source.T.astype(dtype))
     kept = weights._in_layout(source, "float64", transpose=False)
-    assert np.shares_memory(kept, source)
+    np.testing.assert_array_equal(kept, source)
+    assert not np.shares_memory(kept, source)
+
+
+def test_a_broken_safetensors_file_is_refused_by_name(tmp_path):
+    """The file is checked before it is mapped: cut short, empty or not safetensors at all,
+    it is refused with its path, and a whole one reads back exactly."""
+    tensors = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(5, np.float16)}
+    whole = tmp_path / "whole.safetensors"
+    save_file(tensors, whole)
+    read = read_safetensors(whole)
+    assert read.keys() == tensors.keys()
+    for name, array in tensors.items():
+        np.testing.assert_array_equal(read[name], array)
+    data = whole.read_bytes()
+    for what, content in (
+        ("cut", data[:-6]),
+        ("empty", b""),
+        ("text", b"\x05" + bytes(7) + b"hello"),
+    ):
+        broken = tmp_path / f"{what}.safetensors"
+        broken.write_bytes(content)
+        with pytest.raises(
+            CheckpointError, match=f"{what}.safetensors: not a readable safetensors"
+        ):
+            read_safetensors(broken)

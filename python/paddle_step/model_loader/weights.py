@@ -1,9 +1,11 @@
-"""Checkpoint weights: safetensors files (one or sharded), read with the ``safetensors``
-package, renamed from Hugging Face's parameter names to the model's and cast."""
+"""Checkpoint weights: safetensors files (one or sharded), checked by the ``safetensors``
+package and read through a map of the file, renamed from Hugging Face's parameter names to
+the model's and cast."""
 
 from __future__ import annotations
 
 import json
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -47,15 +49,28 @@ def stored_dtypes(path: Path) -> set[str]:
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     """Every tensor of one safetensors file as a float array (bf16 widened to float32).
 
-    Reads raw bytes through ``safetensors.deserialize``, since its numpy loader has no bf16.
+    ``safetensors`` checks the file (its header, and that every tensor's bytes lie in it);
+    the arrays then read the bytes through a read-only map of the file, not a copy (its
+    numpy loader has no bf16): F16/F32/F64 arrays are views of the map, which lasts as long
+    as they do.
     """
     try:
-        entries = safetensors.deserialize(path.read_bytes())
+        with safetensors.safe_open(str(path), framework="numpy"):
+            pass
+        with path.open("rb") as stream:
+            header_size = int.from_bytes(stream.read(8), "little")
+            header = json.loads(stream.read(header_size))
+            data = memoryview(mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ))
     except Exception as error:  # SafetensorError and friends
         raise CheckpointError(f"{path}: not a readable safetensors file: {error}") from None
+    first = 8 + header_size
     arrays = {}
-    for name, entry in entries:
-        dtype, raw = entry["dtype"], entry["data"]
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = entry["dtype"]
+        begin, end = entry["data_offsets"]
+        raw = data[first + begin : first + end]
         if dtype == "BF16":
             flat = _bf16_to_float32(raw)
         elif dtype in _NUMPY_DTYPES:
@@ -138,12 +153,13 @@ def _is_ignored(name: str, config: ModelConfig) -> bool:
 
 
 def _in_layout(array: np.ndarray, dtype: str, transpose: bool) -> np.ndarray:
-    """``array``, or its transpose, as a C-contiguous array of ``dtype``, in one copy at most
-    (none when it already is one). A transpose is copied ``TRANSPOSE_ROWS`` rows of the
-    source at a time: numpy's copy of a whole [out, in] matrix into [in, out] order strides
-    through memory at every element."""
+    """``array``, or its transpose, as a C-contiguous array of ``dtype`` of its own, in one
+    copy: the source may be a view of the file, which the model must not keep mapped (a
+    file rewritten under a running server would end it with SIGBUS). A transpose is copied
+    ``TRANSPOSE_ROWS`` rows of the source at a time: numpy's copy of a whole [out, in]
+    matrix into [in, out] order strides through memory at every element."""
     if not transpose:
-        return np.ascontiguousarray(array, dtype=dtype)
+        return np.array(array, dtype=dtype, order="C")
     out = np.empty(array.shape[::-1], dtype)
     for first in range(0, array.shape[0], TRANSPOSE_ROWS):
         out[:, first : first + TRANSPOSE_ROWS] = array[first : first + TRANSPOSE_ROWS].T
