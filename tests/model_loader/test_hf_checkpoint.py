@@ -528,3 +528,17 @@ def test_a_broken_safetensors_file_is_refused_by_name(tmp_path):
             CheckpointError, match=f"{what}.safetensors: not a readable safetensors"
         ):
             read_safetensors(broken)
+
+
+def test_a_file_that_cannot_be_mapped_is_read(tmp_path, monkeypatch):
+    """On a file system without memory maps the file is read instead, with the same arrays."""
+    tensors = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    save_file(tensors, tmp_path / "model.safetensors")
+
+    def no_map(*_args, **_kwargs):
+        raise OSError(19, "No such device")
+
+    monkeypatch.setattr(weights.mmap, "mmap", no_map)
+    np.testing.assert_array_equal(
+        read_safetensors(tmp_path / "model.safetensors")["w"], tensors["w"]
+    )
