@@ -292,6 +292,26 @@ def test_sigterm_during_a_string_exec_exits_143_not_by_sigint(tmp_path):
     assert probe.stderr == ""
 
 
+def test_a_stop_signal_a_library_reports_as_its_own_error_still_exits_quietly(monkeypatch):
+    """SIGTERM while the server starts, which a library turns into an error of its own
+    (pydantic-core building a schema wraps it in a SchemaError): the server still exits
+    143, not with that error's traceback."""
+    from paddle_step.entrypoints.openai import cli
+
+    def build_app(_args):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except KeyboardInterrupt as interrupt:
+            raise Exception("Error building `literal` serializer") from interrupt
+
+    monkeypatch.setattr(cli, "build_app", build_app)
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["--port", str(free_port())])
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers given back
+
+
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "term"])
 def test_the_engine_process_takes_no_ctrl_c_from_its_first_moment(tmp_path, stop_signal):
     """SIGINT or SIGTERM sent to the engine process every few ms from the moment it exists,

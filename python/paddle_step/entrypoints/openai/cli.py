@@ -123,9 +123,18 @@ def build_app(args: argparse.Namespace):
         loop.start()
     except RuntimeError as error:
         raise ValueError(str(error)) from None
-    except KeyboardInterrupt:  # Ctrl-C while the model loads: nothing to drain yet
+    except BaseException:  # a stop signal while the model loads: nothing to drain yet
         loop.stop(timeout=0)
         raise
+    try:
+        return _app_over(loop, tokenizer, args, create_app), loop
+    except BaseException:  # the engine process ignores stop signals: stop it here
+        loop.stop(timeout=0)
+        raise
+
+
+def _app_over(loop: EngineLoop, tokenizer, args: argparse.Namespace, create_app):
+    """The FastAPI app over the started ``loop``."""
     name = args.served_model_name or loop.info["name"]
     print(
         f"paddle_step.serve: model {name}, {loop.info['threads']} CPU threads per engine, "
@@ -138,7 +147,7 @@ def build_app(args: argparse.Namespace):
             "who can reach this address can use the model",
             file=sys.stderr,
         )
-    app = create_app(
+    return create_app(
         loop,
         tokenizer,
         name,
@@ -146,7 +155,6 @@ def build_app(args: argparse.Namespace):
         max_request_bytes=args.max_request_bytes,
         max_waiting=args.max_waiting,
     )
-    return app, loop
 
 
 def _is_loopback(host: str) -> bool:
@@ -178,7 +186,13 @@ def main(argv: list[str] | None = None) -> None:
     # SIGTERM while the model loads stops as Ctrl-C does (nothing to drain yet): the
     # engine process ignores both, so the server must stop it.
     stopped_by = []
-    previous = signal.signal(signal.SIGTERM, functools.partial(_interrupt, stopped_by))
+    previous = {
+        signal.SIGTERM: signal.signal(signal.SIGTERM, functools.partial(_interrupt, stopped_by))
+    }
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when ignored
+        previous[signal.SIGINT] = signal.signal(
+            signal.SIGINT, functools.partial(_interrupt, stopped_by)
+        )
     if rank == 0:
         _refuse_a_taken_address(args.host, args.port)  # before the model loads, not after
     try:
@@ -187,12 +201,18 @@ def main(argv: list[str] | None = None) -> None:
         else:
             follower = EngineLoop(args)
             follower.start()
-    except (ValueError, RuntimeError) as error:  # a checkpoint or budget it cannot run
-        raise SystemExit(f"paddle_step.serve: {error}") from None
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM before serving (the engine is stopped)
-        raise SystemExit(128 + (stopped_by[0] if stopped_by else signal.SIGINT)) from None
+    except BaseException as error:
+        # A stop signal before serving (the engine is stopped), however it surfaced: the
+        # exception it raises may come back wrapped in a library's own error (pydantic-core
+        # building a schema reports it as a SchemaError).
+        if stopped_by or isinstance(error, KeyboardInterrupt):
+            raise SystemExit(128 + (stopped_by[0] if stopped_by else signal.SIGINT)) from None
+        if isinstance(error, (ValueError, RuntimeError)):  # a checkpoint or budget it cannot run
+            raise SystemExit(f"paddle_step.serve: {error}") from None
+        raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for stop_signal, handler in previous.items():
+            signal.signal(stop_signal, handler)
     if rank != 0:
         # Its engine lives as long as rank 0's: stopped by its Stop, or ended when rank 0
         # is gone. Stopping here would end rank 0's drain (the collectives need every
@@ -267,7 +287,7 @@ def _refuse_a_taken_address(host: str, port: int) -> None:
 
 
 class _StopSignal(KeyboardInterrupt):
-    """SIGTERM while the model loads. Not a plain KeyboardInterrupt: CPython (3.11 here)
+    """SIGTERM or Ctrl-C while the model loads. Not a plain KeyboardInterrupt: CPython (3.11 here)
     marks a plain one raised inside ``exec``/``eval`` of a string (namedtuple and dataclass
     code run so while modules import) as unhandled even once caught, and then ends a
     ``-m`` program by SIGINT, silently, instead of with its exit status."""
