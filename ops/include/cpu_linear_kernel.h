@@ -31,6 +31,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "cpu_avx512_transpose.h"
 #include "cpu_bfloat16.h"
 #include "cpu_isa.h"
 
@@ -409,22 +410,22 @@ void TileFloat32(const LinearProblem& p, int64_t panel, int64_t row) {
   const int64_t ahead = p.prefetch_bytes;
   const int64_t l2_ahead = p.prefetch_l2_bytes;
   Accumulators<kTileRows> acc(p, row);
+  // add(kk, w0, w1) for every k: one loop for either form of x.
+  const auto over_k = [&](auto add) {
+    for (int64_t kk = 0; kk < k; ++kk) {
+      PrefetchAhead(w + kk * kPanelWidth, ahead, l2_ahead);
+      PrefetchAhead(w + kk * kPanelWidth + 16, ahead, l2_ahead);
+      add(kk, _mm512_loadu_ps(w + kk * kPanelWidth),
+          _mm512_loadu_ps(w + kk * kPanelWidth + 16));
+    }
+  };
   if (p.x_tiles) {
     const float* x = p.x_tiles + row * k;  // row: a multiple of 12
-    for (int64_t kk = 0; kk < k; ++kk) {
-      PrefetchAhead(w + kk * kPanelWidth, ahead, l2_ahead);
-      PrefetchAhead(w + kk * kPanelWidth + 16, ahead, l2_ahead);
-      acc.AddSideBySide(x + kk * kFloat32TileRows,
-                        _mm512_loadu_ps(w + kk * kPanelWidth),
-                        _mm512_loadu_ps(w + kk * kPanelWidth + 16));
-    }
+    over_k([&](int64_t kk, __m512 w0, __m512 w1) {
+      acc.AddSideBySide(x + kk * kFloat32TileRows, w0, w1);
+    });
   } else {
-    for (int64_t kk = 0; kk < k; ++kk) {
-      PrefetchAhead(w + kk * kPanelWidth, ahead, l2_ahead);
-      PrefetchAhead(w + kk * kPanelWidth + 16, ahead, l2_ahead);
-      acc.Add(kk, _mm512_loadu_ps(w + kk * kPanelWidth),
-              _mm512_loadu_ps(w + kk * kPanelWidth + 16));
-    }
+    over_k([&](int64_t kk, __m512 w0, __m512 w1) { acc.Add(kk, w0, w1); });
   }
   acc.Store(p, panel, row);
 }
@@ -541,38 +542,6 @@ using TileFunction = void (*)(const LinearProblem&, int64_t, int64_t);
 PADDLE_STEP_TILE_TABLE(TileBFloat16)
 PADDLE_STEP_TILE_TABLE(TileInt8)
 #undef PADDLE_STEP_TILE_TABLE
-
-// v[r][j] -> v[j][r]: a 16 x 16 transpose of floats in registers, in 64
-// shuffles (pairs, then quads, then 128-bit lanes twice).
-PADDLE_STEP_INLINE void Transpose16(__m512 v[16]) {
-  __m512 t[16];
-#pragma GCC unroll 8
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(v[i], v[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(v[i], v[i + 1]);
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < 16; i += 4) {
-    v[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
-    v[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
-    v[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    v[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_f32x4(v[i], v[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_f32x4(v[i + 8], v[i + 12], 0x88);
-    t[i + 8] = _mm512_shuffle_f32x4(v[i], v[i + 4], 0xDD);
-    t[i + 12] = _mm512_shuffle_f32x4(v[i + 8], v[i + 12], 0xDD);
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) {
-    v[i] = _mm512_shuffle_f32x4(t[i], t[i + 4], 0x88);
-    v[i + 4] = _mm512_shuffle_f32x4(t[i + 8], t[i + 12], 0x88);
-    v[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 4], 0xDD);
-    v[i + 12] = _mm512_shuffle_f32x4(t[i + 8], t[i + 12], 0xDD);
-  }
-}
 
 // Rows of x [m, k] (x_stride apart) into tiles of kFloat32TileRows rows:
 // out[t][kk][r] = x[12 t + r][kk], rows past m zero (x_tiles). 16 values of

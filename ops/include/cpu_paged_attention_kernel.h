@@ -33,6 +33,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_avx512_transpose.h"
 #include "cpu_bfloat16.h"
 #include "cpu_float_math.h"
 #include "cpu_float_vectors.h"
@@ -215,37 +216,6 @@ PADDLE_STEP_LOOP_INLINE void WeightedVectorsOf(int64_t heads,
 #define PADDLE_STEP_ATTENTION_AVX512 1
 #pragma GCC push_options
 #pragma GCC target("avx512f,fma")
-
-// rows[k][e] -> rows[e][k] for 16 vectors of 16 floats.
-PADDLE_STEP_LOOP_INLINE void Transpose16(__m512 rows[16]) {
-  __m512 pairs[16];
-  for (int i = 0; i < 8; ++i) {  // per 128-bit lane l: rows 2i, 2i+1 at 4l..
-    pairs[2 * i] = _mm512_unpacklo_ps(rows[2 * i], rows[2 * i + 1]);
-    pairs[2 * i + 1] = _mm512_unpackhi_ps(rows[2 * i], rows[2 * i + 1]);
-  }
-  __m512 quads[16];  // quads[4i + c], lane l: rows 4i..4i+3 at element 4l + c
-  for (int i = 0; i < 4; ++i) {
-    quads[4 * i] = _mm512_shuffle_ps(pairs[4 * i], pairs[4 * i + 2], 0x44);
-    quads[4 * i + 1] = _mm512_shuffle_ps(pairs[4 * i], pairs[4 * i + 2], 0xEE);
-    quads[4 * i + 2] =
-        _mm512_shuffle_ps(pairs[4 * i + 1], pairs[4 * i + 3], 0x44);
-    quads[4 * i + 3] =
-        _mm512_shuffle_ps(pairs[4 * i + 1], pairs[4 * i + 3], 0xEE);
-  }
-  for (int c = 0; c < 4;
-       ++c) {  // lanes of quads[c], [4 + c], [8 + c], [12 + c]
-    const __m512 low01 = _mm512_shuffle_f32x4(quads[c], quads[4 + c], 0x44);
-    const __m512 high01 = _mm512_shuffle_f32x4(quads[c], quads[4 + c], 0xEE);
-    const __m512 low23 =
-        _mm512_shuffle_f32x4(quads[8 + c], quads[12 + c], 0x44);
-    const __m512 high23 =
-        _mm512_shuffle_f32x4(quads[8 + c], quads[12 + c], 0xEE);
-    rows[c] = _mm512_shuffle_f32x4(low01, low23, 0x88);
-    rows[4 + c] = _mm512_shuffle_f32x4(low01, low23, 0xDD);
-    rows[8 + c] = _mm512_shuffle_f32x4(high01, high23, 0x88);
-    rows[12 + c] = _mm512_shuffle_f32x4(high01, high23, 0xDD);
-  }
-}
 
 // firsts[k] = the sum of q[e] * key[slots[k] * stride + e] over the last
 // dims e in [d, head_dim), one by one, for 16 keys.
