@@ -542,3 +542,18 @@ def test_a_file_that_cannot_be_mapped_is_read(tmp_path, monkeypatch):
     np.testing.assert_array_equal(
         read_safetensors(tmp_path / "model.safetensors")["w"], tensors["w"]
     )
+
+
+@pytest.mark.parametrize(
+    "header",
+    [b"[1, 2]", b'{"w": {"shape": [1]}}', b'{"w": 5}', b"not json"],
+    ids=["a list", "no dtype", "an entry not an object", "not JSON"],
+)
+def test_a_header_that_is_not_safetensors_is_refused_by_name(tmp_path, header):
+    """The dtype probe (``load_checkpoint``'s dtype "auto") reads headers alone; one it
+    cannot read is refused with the file's path, not a Python error."""
+    (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(CheckpointError, match="model.safetensors: not a readable safetensors"):
+        weights.stored_dtypes(tmp_path)
+    save_file({"w": np.ones(2, np.float32)}, tmp_path / "model.safetensors")
+    assert weights.stored_dtypes(tmp_path) == {"F32"}

@@ -31,6 +31,17 @@ def _bf16_to_float32(raw: bytes | bytearray) -> np.ndarray:
     return (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
 
 
+def _read_header(stream) -> tuple[dict[str, dict], int]:
+    """The tensor entries of the safetensors file open as ``stream`` (its header, less
+    ``__metadata__``) and the offset of the data after it. ValueError if the header is not
+    a JSON object."""
+    size = int.from_bytes(stream.read(8), "little")
+    header = json.loads(stream.read(size))
+    if not isinstance(header, dict):
+        raise ValueError(f"the header is a JSON {type(header).__name__}, expected an object")
+    return {name: entry for name, entry in header.items() if name != "__metadata__"}, 8 + size
+
+
 def stored_dtypes(path: Path) -> set[str]:
     """The dtypes (safetensors' names: BF16, F16, F32, ...) the checkpoint directory ``path``
     stores its tensors in, read from the files' headers alone."""
@@ -38,11 +49,10 @@ def stored_dtypes(path: Path) -> set[str]:
     for file in _weight_files(path):
         with file.open("rb") as stream:
             try:
-                size = int.from_bytes(stream.read(8), "little")
-                header = json.loads(stream.read(size))
-            except (ValueError, UnicodeDecodeError) as error:
+                entries, _ = _read_header(stream)
+                found.update(entry["dtype"] for entry in entries.values())
+            except (ValueError, UnicodeDecodeError, TypeError, KeyError) as error:
                 raise CheckpointError(f"{file}: not a readable safetensors file: {error}") from None
-        found.update(entry["dtype"] for name, entry in header.items() if name != "__metadata__")
     return found
 
 
@@ -58,8 +68,7 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         with safetensors.safe_open(str(path), framework="numpy"):
             pass
         with path.open("rb") as stream:
-            header_size = int.from_bytes(stream.read(8), "little")
-            header = json.loads(stream.read(header_size))
+            entries, first = _read_header(stream)
             try:
                 data = memoryview(mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ))
             except (OSError, ValueError):  # a file system that cannot map it: a copy
@@ -67,11 +76,8 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
                 data = memoryview(stream.read())
     except Exception as error:  # SafetensorError and friends
         raise CheckpointError(f"{path}: not a readable safetensors file: {error}") from None
-    first = 8 + header_size
     arrays = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
+    for name, entry in entries.items():
         dtype = entry["dtype"]
         begin, end = entry["data_offsets"]
         raw = data[first + begin : first + end]
