@@ -120,16 +120,13 @@ def build_app(args: argparse.Namespace):
     tokenizer = load_tokenizer(args)  # the engine process loads the model
     loop = EngineLoop(args)
     try:
-        loop.start()
-    except RuntimeError as error:
-        raise ValueError(str(error)) from None
-    except BaseException:  # a stop signal while the model loads: nothing to drain yet
-        loop.stop(timeout=0)
-        raise
-    try:
+        try:
+            loop.start()
+        except RuntimeError as error:
+            raise ValueError(str(error)) from None
         return _app_over(loop, tokenizer, args, create_app), loop
-    except BaseException:  # the engine process ignores stop signals: stop it here
-        loop.stop(timeout=0)
+    except BaseException:  # a stop signal or an error before serving: nothing to drain, and
+        loop.stop(timeout=0)  # the engine process ignores stop signals, so stop it here
         raise
 
 
