@@ -191,11 +191,12 @@ PYBIND11_MODULE(paddle_step_ops, module) {
       pybind11::arg("bias"), pybind11::arg("n"), pybind11::arg("group_size"),
       pybind11::arg("isa") = "");
   module.def("cpu_linear_pack_float32", &paddle_step::CpuLinearPackFloat32,
-             pybind11::arg("w"));
+             pybind11::arg("w"), pybind11::arg("transposed") = false);
   module.def("cpu_linear_pack_bfloat16", &paddle_step::CpuLinearPackBFloat16,
-             pybind11::arg("w"));
+             pybind11::arg("w"), pybind11::arg("transposed") = false);
   module.def("cpu_linear_pack_int8", &paddle_step::CpuLinearPackInt8,
-             pybind11::arg("w"), pybind11::arg("group_size"));
+             pybind11::arg("w"), pybind11::arg("group_size"),
+             pybind11::arg("transposed") = false);
   module.def("cpu_linear_set_num_threads",
              &paddle_step::CpuLinearSetNumThreads, pybind11::arg("threads"));
   module.def("cpu_linear_num_threads", &paddle_step::CpuLinearNumThreads);

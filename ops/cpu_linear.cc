@@ -119,50 +119,60 @@ int64_t TaskBoundary(int64_t panels, int tasks, int task) {
   return panels * task / tasks;
 }
 
+// w's [K, N]: its dims, or their reverse for a w stored as its transpose.
+template <typename T>
+cpu::SourceMatrix<T> SourceOf(const paddle::Tensor& w, const T* data,
+                              bool transposed) {
+  const int64_t rows = w.dims()[0];
+  const int64_t columns = w.dims()[1];
+  return transposed ? cpu::SourceMatrix<T>{data, columns, rows, true}
+                    : cpu::SourceMatrix<T>{data, rows, columns, false};
+}
+
 }  // namespace
 
-paddle::Tensor CpuLinearPackFloat32(const paddle::Tensor& w) {
+paddle::Tensor CpuLinearPackFloat32(const paddle::Tensor& w, bool transposed) {
   CheckMatrix("w", w, {paddle::DataType::FLOAT32});
-  const int64_t k = w.dims()[0];
-  const int64_t n = w.dims()[1];
-  auto packed = paddle::empty({cpu::PanelCount(n), k, cpu::kPanelWidth},
-                              paddle::DataType::FLOAT32, paddle::CPUPlace());
-  cpu::PackFloat32(w.data<float>(), k, n, packed.data<float>());
+  const auto source = SourceOf(w, w.data<float>(), transposed);
+  auto packed =
+      paddle::empty({cpu::PanelCount(source.n), source.k, cpu::kPanelWidth},
+                    paddle::DataType::FLOAT32, paddle::CPUPlace());
+  cpu::PackFloat32(source, packed.data<float>());
   return packed;
 }
 
-paddle::Tensor CpuLinearPackBFloat16(const paddle::Tensor& w) {
+paddle::Tensor CpuLinearPackBFloat16(const paddle::Tensor& w, bool transposed) {
   CheckMatrix("w", w, {paddle::DataType::FLOAT32, paddle::DataType::BFLOAT16});
-  const int64_t k = w.dims()[0];
-  const int64_t n = w.dims()[1];
+  const int64_t k = transposed ? w.dims()[1] : w.dims()[0];
+  const int64_t n = transposed ? w.dims()[0] : w.dims()[1];
   auto packed = paddle::empty(
       {cpu::PanelCount(n), cpu::PanelRows(cpu::WeightFormat::kBFloat16, k),
        cpu::kPanelWidth, 2},
       paddle::DataType::BFLOAT16, paddle::CPUPlace());
   auto* out = reinterpret_cast<uint16_t*>(packed.data<phi::dtype::bfloat16>());
   if (w.dtype() == paddle::DataType::FLOAT32) {
-    cpu::PackBFloat16(w.data<float>(), k, n, out);
+    cpu::PackBFloat16(SourceOf(w, w.data<float>(), transposed), out);
   } else {
-    cpu::PackBFloat16(
-        reinterpret_cast<const uint16_t*>(w.data<phi::dtype::bfloat16>()), k, n,
-        out);
+    const auto* bits =
+        reinterpret_cast<const uint16_t*>(w.data<phi::dtype::bfloat16>());
+    cpu::PackBFloat16(SourceOf(w, bits, transposed), out);
   }
   return packed;
 }
 
 std::vector<paddle::Tensor> CpuLinearPackInt8(const paddle::Tensor& w,
-                                              int64_t group_size) {
+                                              int64_t group_size,
+                                              bool transposed) {
   CheckMatrix("w", w, {paddle::DataType::FLOAT32});
   kCheck.Positive("group_size", group_size);
-  const int64_t k = w.dims()[0];
-  const int64_t n = w.dims()[1];
-  const int64_t panels = cpu::PanelCount(n);
-  auto packed = paddle::empty({panels, k, cpu::kPanelWidth},
+  const auto source = SourceOf(w, w.data<float>(), transposed);
+  const int64_t panels = cpu::PanelCount(source.n);
+  auto packed = paddle::empty({panels, source.k, cpu::kPanelWidth},
                               paddle::DataType::INT8, paddle::CPUPlace());
-  auto scales =
-      paddle::empty({panels, cpu::GroupCount(k, group_size), cpu::kPanelWidth},
-                    paddle::DataType::FLOAT32, paddle::CPUPlace());
-  cpu::PackInt8(w.data<float>(), k, n, group_size, packed.data<int8_t>(),
+  auto scales = paddle::empty(
+      {panels, cpu::GroupCount(source.k, group_size), cpu::kPanelWidth},
+      paddle::DataType::FLOAT32, paddle::CPUPlace());
+  cpu::PackInt8(source, group_size, packed.data<int8_t>(),
                 scales.data<float>());
   return {packed, scales};
 }

@@ -80,57 +80,77 @@ inline int64_t GroupCount(int64_t k, int64_t group_size) {
 
 // ---------------------------------------------------------------- packing
 
-// w: float32 [k, n] row-major. packed: PanelCount(n) * PanelElements(kFloat32, k).
-inline void PackFloat32(const float* w, int64_t k, int64_t n, float* packed) {
-  for (int64_t p = 0; p < PanelCount(n); ++p) {
+// W [k, n] as the packers read it: stored row-major, or as its transpose
+// [n, k] row-major (a tied LM head is the embedding [vocab, hidden]: packed
+// from it directly, without a transposed copy of its hundreds of MB).
+template <typename T>
+struct SourceMatrix {
+  const T* data;
+  int64_t k;
+  int64_t n;
+  bool transposed;
+
+  T operator()(int64_t row, int64_t column) const {
+    return transposed ? data[column * k + row] : data[row * n + column];
+  }
+};
+
+// w: float32 [k, n]. packed: PanelCount(n) * PanelElements(kFloat32, k).
+inline void PackFloat32(const SourceMatrix<float>& w, float* packed) {
+  const int64_t k = w.k;
+  for (int64_t p = 0; p < PanelCount(w.n); ++p) {
     const int64_t first = p * kPanelWidth;
-    const int64_t width = std::min(kPanelWidth, n - first);
+    const int64_t width = std::min(kPanelWidth, w.n - first);
     float* panel = packed + p * PanelElements(WeightFormat::kFloat32, k);
     for (int64_t row = 0; row < k; ++row) {
       float* out = panel + row * kPanelWidth;
-      std::memcpy(out, w + row * n + first, width * sizeof(float));
+      if (w.transposed) {
+        for (int64_t c = 0; c < width; ++c) out[c] = w(row, first + c);
+      } else {
+        std::memcpy(out, w.data + row * w.n + first, width * sizeof(float));
+      }
       std::fill(out + width, out + kPanelWidth, 0.0f);
     }
   }
 }
 
-// w: [k, n] row-major, float32 (rounded to bfloat16) or bfloat16 bits
-// (copied). packed: PanelCount(n) * PanelElements(kBFloat16, k) uint16.
+// w: [k, n], float32 (rounded to bfloat16) or bfloat16 bits (copied).
+// packed: PanelCount(n) * PanelElements(kBFloat16, k) uint16.
 template <typename Source>
-inline void PackBFloat16(const Source* w, int64_t k, int64_t n,
-                         uint16_t* packed) {
+inline void PackBFloat16(const SourceMatrix<Source>& w, uint16_t* packed) {
   static_assert(std::is_same_v<Source, float> ||
                 std::is_same_v<Source, uint16_t>);
+  const int64_t k = w.k;
   const int64_t pairs = PanelRows(WeightFormat::kBFloat16, k);
-  for (int64_t p = 0; p < PanelCount(n); ++p) {
+  for (int64_t p = 0; p < PanelCount(w.n); ++p) {
     const int64_t first = p * kPanelWidth;
-    const int64_t width = std::min(kPanelWidth, n - first);
+    const int64_t width = std::min(kPanelWidth, w.n - first);
     uint16_t* panel = packed + p * PanelElements(WeightFormat::kBFloat16, k);
     std::fill(panel, panel + pairs * 2 * kPanelWidth, uint16_t{0});
     for (int64_t row = 0; row < k; ++row) {
       uint16_t* out = panel + (row / 2) * 2 * kPanelWidth + row % 2;
-      const Source* in = w + row * n + first;
       for (int64_t c = 0; c < width; ++c) {
         if constexpr (std::is_same_v<Source, float>) {
-          out[2 * c] = BFloat16FromFloat(in[c]);
+          out[2 * c] = BFloat16FromFloat(w(row, first + c));
         } else {
-          out[2 * c] = in[c];
+          out[2 * c] = w(row, first + c);
         }
       }
     }
   }
 }
 
-// w: float32 [k, n] row-major, quantized per column and group of group_size
-// rows: scale = max|w| / 127, q = round(w / scale). packed:
+// w: float32 [k, n], quantized per column and group of group_size rows:
+// scale = max|w| / 127, q = round(w / scale). packed:
 // PanelCount(n) * PanelElements(kInt8, k) int8; scales:
 // PanelCount(n) * GroupCount(k, group_size) * kPanelWidth float.
-inline void PackInt8(const float* w, int64_t k, int64_t n, int64_t group_size,
+inline void PackInt8(const SourceMatrix<float>& w, int64_t group_size,
                      int8_t* packed, float* scales) {
+  const int64_t k = w.k;
   const int64_t groups = GroupCount(k, group_size);
-  for (int64_t p = 0; p < PanelCount(n); ++p) {
+  for (int64_t p = 0; p < PanelCount(w.n); ++p) {
     const int64_t first = p * kPanelWidth;
-    const int64_t width = std::min(kPanelWidth, n - first);
+    const int64_t width = std::min(kPanelWidth, w.n - first);
     int8_t* panel = packed + p * PanelElements(WeightFormat::kInt8, k);
     float* panel_scales = scales + p * groups * kPanelWidth;
     std::fill(panel, panel + k * kPanelWidth, int8_t{0});
@@ -140,13 +160,13 @@ inline void PackInt8(const float* w, int64_t k, int64_t n, int64_t group_size,
       for (int64_t c = 0; c < width; ++c) {
         float largest = 0.0f;
         for (int64_t row = g * group_size; row < row_end; ++row) {
-          largest = std::max(largest, std::fabs(w[row * n + first + c]));
+          largest = std::max(largest, std::fabs(w(row, first + c)));
         }
         if (largest == 0.0f) continue;  // all-zero group: q = 0, scale = 0
         const float scale = largest / 127.0f;
         panel_scales[g * kPanelWidth + c] = scale;
         for (int64_t row = g * group_size; row < row_end; ++row) {
-          const float q = std::nearbyint(w[row * n + first + c] / scale);
+          const float q = std::nearbyint(w(row, first + c) / scale);
           panel[row * kPanelWidth + c] =
               static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));
         }

@@ -11,19 +11,22 @@
 
 namespace paddle_step {
 
-// W float32 [K, N] (as `x @ W` multiplies it) packed into float32 panels
-// [ceil(N/32), K, 32].
-paddle::Tensor CpuLinearPackFloat32(const paddle::Tensor& w);
+// The packers take W [K, N] (as `x @ W` multiplies it), or with `transposed`
+// W stored as its transpose [N, K] (a tied LM head's embedding).
 
-// W float32 or bfloat16 [K, N] packed into bfloat16 panels
+// W float32 packed into float32 panels [ceil(N/32), K, 32].
+paddle::Tensor CpuLinearPackFloat32(const paddle::Tensor& w, bool transposed);
+
+// W float32 or bfloat16 packed into bfloat16 panels
 // [ceil(N/32), ceil(K/2), 32, 2] (float32 rounds to nearest even).
-paddle::Tensor CpuLinearPackBFloat16(const paddle::Tensor& w);
+paddle::Tensor CpuLinearPackBFloat16(const paddle::Tensor& w, bool transposed);
 
-// W float32 [K, N] quantized to symmetric int8 with a float32 scale per
-// column and group of `group_size` rows of K: {int8 panels
-// [ceil(N/32), K, 32], float32 scales [ceil(N/32), ceil(K/group_size), 32]}.
+// W float32 quantized to symmetric int8 with a float32 scale per column and
+// group of `group_size` rows of K: {int8 panels [ceil(N/32), K, 32], float32
+// scales [ceil(N/32), ceil(K/group_size), 32]}.
 std::vector<paddle::Tensor> CpuLinearPackInt8(const paddle::Tensor& w,
-                                              int64_t group_size);
+                                              int64_t group_size,
+                                              bool transposed);
 
 // x float32 [M, K] @ the packed weights of N columns (+ bias float32 [N]):
 // float32 [M, N]. The weights' dtype says their format; `scales` and

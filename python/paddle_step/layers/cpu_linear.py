@@ -51,43 +51,55 @@ def _tensor(w) -> paddle.Tensor:
     return w if isinstance(w, paddle.Tensor) else paddle.to_tensor(np.ascontiguousarray(w))
 
 
-def pack_float32(w) -> PackedWeights:
-    """``w`` float32 [K, N] (a paddle tensor or an array; a Linear's weight, [in, out])."""
+def _k_n(w: paddle.Tensor, transposed: bool) -> tuple[int, int]:
+    """K and N of a checked ``w`` (the op's packer checks it first)."""
+    rows, columns = w.shape
+    return (columns, rows) if transposed else (rows, columns)
+
+
+def pack_float32(w, transposed: bool = False) -> PackedWeights:
+    """``w`` float32 [K, N] (a paddle tensor or an array; a Linear's weight, [in, out]), or
+    with ``transposed`` W stored as its transpose [N, K] (a tied LM head's embedding
+    [vocab, hidden], packed without a transposed copy)."""
     w = _tensor(w)
-    weights = _library.cpu_linear_pack_float32(w)  # checks w first
-    return PackedWeights("float32", w.shape[0], w.shape[1], weights)
+    weights = _library.cpu_linear_pack_float32(w, transposed)  # checks w first
+    return PackedWeights("float32", *_k_n(w, transposed), weights)
 
 
-def pack_bfloat16(w) -> PackedWeights:
-    """``w`` float32 (rounded to nearest even) or bfloat16 (kept exactly) [K, N]."""
+def pack_bfloat16(w, transposed: bool = False) -> PackedWeights:
+    """``w`` float32 (rounded to nearest even) or bfloat16 (kept exactly) [K, N], or [N, K]
+    with ``transposed``."""
     w = _tensor(w)
-    weights = _library.cpu_linear_pack_bfloat16(w)  # checks w first
-    return PackedWeights("bfloat16", w.shape[0], w.shape[1], weights)
+    weights = _library.cpu_linear_pack_bfloat16(w, transposed)  # checks w first
+    return PackedWeights("bfloat16", *_k_n(w, transposed), weights)
 
 
-def pack_int8(w, group_size: int | None = None) -> PackedWeights:
-    """``w`` float32 [K, N] quantized to symmetric int8, one scale (max |w| / 127) per column
-    and group of ``group_size`` rows of K; None: one scale per column."""
+def pack_int8(w, group_size: int | None = None, transposed: bool = False) -> PackedWeights:
+    """``w`` float32 [K, N] ([N, K] with ``transposed``) quantized to symmetric int8, one
+    scale (max |w| / 127) per column and group of ``group_size`` rows of K; None: one scale
+    per column."""
     w = _tensor(w)
-    group = w.shape[0] if group_size is None else group_size
-    weights, scales = _library.cpu_linear_pack_int8(w, group)  # checks w first
-    return PackedWeights("int8", w.shape[0], w.shape[1], weights, scales, group)
+    group = (w.shape[-1] if transposed else w.shape[0]) if group_size is None else group_size
+    weights, scales = _library.cpu_linear_pack_int8(w, group, transposed)  # checks w first
+    return PackedWeights("int8", *_k_n(w, transposed), weights, scales, group)
 
 
-def pack(w, weight_format: str = "float32", group_size: int | None = None) -> PackedWeights:
-    """``w`` [K, N] packed in ``weight_format`` (one of ``FORMATS``); ``group_size``: int8
-    only."""
+def pack(
+    w, weight_format: str = "float32", group_size: int | None = None, transposed: bool = False
+) -> PackedWeights:
+    """``w`` [K, N] ([N, K] with ``transposed``) packed in ``weight_format`` (one of
+    ``FORMATS``); ``group_size``: int8 only."""
     if weight_format == "int8":
-        return pack_int8(w, group_size)
+        return pack_int8(w, group_size, transposed)
     if group_size is not None:
         raise ValueError(
             f"pack: argument 'group_size': expected None for {weight_format!r} weights, "
             f"got {group_size}"
         )
     if weight_format == "float32":
-        return pack_float32(w)
+        return pack_float32(w, transposed)
     if weight_format == "bfloat16":
-        return pack_bfloat16(w)
+        return pack_bfloat16(w, transposed)
     raise ValueError(
         f"pack: argument 'weight_format': expected one of {FORMATS}, got {weight_format!r}"
     )

@@ -293,18 +293,19 @@ class DenseWeight(NamedTuple):
 
     @classmethod
     def of(cls, tensor: paddle.Tensor, with_op: bool, transposed: bool = False) -> DenseWeight:
-        """``tensor`` with its packed copy when ``with_op`` (packed from [K, N])."""
+        """``tensor`` with its packed copy when ``with_op`` (packed from [K, N], or from
+        [N, K] with ``transposed``)."""
         if not with_op:
             return cls(tensor, None)
-        return cls(tensor, cpu_linear.pack_float32(tensor.T.contiguous() if transposed else tensor))
+        return cls(tensor, cpu_linear.pack_float32(tensor, transposed))
 
     @classmethod
-    def packed_only(cls, w, weight_format: str) -> DenseWeight:
-        """``w`` float32 [K, N] (an array) packed in ``weight_format`` ('bfloat16': rounded
-        to nearest even, exact for a bfloat16 checkpoint; 'int8': quantized,
-        ``INT8_GROUP_SIZE``), with no other copy kept."""
+    def packed_only(cls, w, weight_format: str, transposed: bool = False) -> DenseWeight:
+        """``w`` float32 [K, N] (an array; [N, K] with ``transposed``) packed in
+        ``weight_format`` ('bfloat16': rounded to nearest even, exact for a bfloat16
+        checkpoint; 'int8': quantized, ``INT8_GROUP_SIZE``), with no other copy kept."""
         group = INT8_GROUP_SIZE if weight_format == "int8" else None
-        return cls(None, cpu_linear.pack(w, weight_format, group))
+        return cls(None, cpu_linear.pack(w, weight_format, group, transposed))
 
 
 class DenseBlock:

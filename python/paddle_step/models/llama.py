@@ -338,7 +338,7 @@ class LlamaForCausalLM(nn.Layer):
             # Packed as the LM head's [hidden, vocab]: a tied model keeps one copy.
             embed = tracked("embed", [vocab, hidden], embedding).astype(np.float32, copy=False)
             self.embed = None
-            self._embedding = DenseWeight.packed_only(embed.T, config.weight_format)
+            self._embedding = DenseWeight.packed_only(embed, config.weight_format, transposed=True)
             del embed
         self.layers = nn.LayerList(
             [
