@@ -29,13 +29,23 @@ def reference_logprobs(model: LlamaForCausalLM, tokens: list[int]) -> np.ndarray
     return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
 
 
-def assert_entry(entry, reference_row: np.ndarray, token: int, k: int) -> None:
+def assert_entry(
+    entry, reference_row: np.ndarray, token: int, k: int, prompt: bool = False
+) -> None:
+    """``entry`` against the reference; at a prompt position its rank too: the count of
+    tokens at least as likely, within the float32 tolerance (None at generated ones)."""
     assert entry.token_id == token
     assert entry.logprob == pytest.approx(reference_row[token], abs=TOLERANCE)
     assert len(entry.top) == k
     expected = np.argsort(-reference_row, kind="stable")[:k]
     assert [i for i, _ in entry.top] == expected.tolist()
     np.testing.assert_allclose([v for _, v in entry.top], reference_row[expected], atol=TOLERANCE)
+    if not prompt:
+        assert entry.rank is None
+        return
+    own = reference_row[token]
+    assert 1 + np.sum(reference_row > own + TOLERANCE) <= entry.rank
+    assert entry.rank <= np.sum(reference_row >= own - TOLERANCE)
 
 
 @pytest.mark.parametrize(
@@ -59,7 +69,7 @@ def test_logprobs_are_those_of_the_raw_distribution(model, controls):
         )
         assert len(result.prompt_logprobs) == len(prompt) - 1
         for i, entry in enumerate(result.prompt_logprobs):
-            assert_entry(entry, reference[i], prompt[i + 1], 3)
+            assert_entry(entry, reference[i], prompt[i + 1], 3, prompt=True)
 
 
 def test_max_tokens_zero_returns_prompt_logprobs_only(model):
@@ -76,7 +86,7 @@ def test_max_tokens_zero_returns_prompt_logprobs_only(model):
     assert result.prompt_logprobs is prompt_logprobs
     reference = reference_logprobs(model, prompt)
     for i, entry in enumerate(result.prompt_logprobs):
-        assert_entry(entry, reference[i], prompt[i + 1], 0)
+        assert_entry(entry, reference[i], prompt[i + 1], 0, prompt=True)
     # A one-token prompt has no position with context.
     [single] = engine.generate([[4]], SamplingParams(max_tokens=0, prompt_logprobs=2))
     assert single.prompt_logprobs == [] and single.token_ids == []
@@ -122,4 +132,4 @@ def test_prompt_logprobs_of_a_chunked_prefill(model):
     reference = reference_logprobs(model, prompt)
     assert len(result.prompt_logprobs) == len(prompt) - 1
     for i, entry in enumerate(result.prompt_logprobs):
-        assert_entry(entry, reference[i], prompt[i + 1], 1)
+        assert_entry(entry, reference[i], prompt[i + 1], 1, prompt=True)

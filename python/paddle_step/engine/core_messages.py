@@ -55,8 +55,9 @@ class Ready:
 
 
 # Logprobs as the server reads them: (the token's logprob, [(token id, logprob), ..] of
-# the asked number of most likely tokens, most likely first).
-Logprobs = tuple[float, list[tuple[int, float]]]
+# the asked number of most likely tokens, most likely first, the token's rank at a prompt
+# position or None).
+Logprobs = tuple[float, list[tuple[int, float]], int | None]
 
 
 @dataclass

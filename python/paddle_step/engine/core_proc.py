@@ -148,12 +148,13 @@ def _returned(result, drawn: dict[int, list[int]] | None) -> list[tuple[int, str
     return returned
 
 
-def _logprobs(entry) -> tuple[float, list[tuple[int, float]]] | None:
+def _logprobs(entry) -> tuple[float, list[tuple[int, float]], int | None] | None:
     """An ``outputs.TokenLogprobs`` as the plain tuple the server reads (the server needs
     none of the engine's classes)."""
     if entry is None:
         return None
-    return float(entry.logprob), [(int(token), float(value)) for token, value in entry.top]
+    top = [(int(token), float(value)) for token, value in entry.top]
+    return float(entry.logprob), top, entry.rank
 
 
 def _next_commands(engine, commands) -> list:

@@ -38,7 +38,7 @@ import paddle
 from ..config import EngineConfig
 from ..host_memory import keep_freed_memory
 from ..layers import prefetch_distance
-from ..layers.sampler import sample_key, sampling_key, token_logprobs
+from ..layers.sampler import sample_key, sampling_key, token_logprobs_and_ranks
 from ..models.llama import LlamaForCausalLM
 from ..sampling_params import SamplingParams
 from ..spec.check_state import StateError
@@ -360,15 +360,18 @@ class Engine:
         ids = np.concatenate(
             [request.prompt_ids[first + 1 : end + 1] for request, first, end in targets]
         )
-        chosen, top_ids, top_values = _on_host(
-            token_logprobs(logits, paddle.to_tensor(ids.astype(np.int64)), top)
+        chosen, top_ids, top_values, ranks = (
+            None if t is None else t.numpy()
+            for t in token_logprobs_and_ranks(logits, paddle.to_tensor(ids.astype(np.int64)), top)
         )
         row = 0
         for request, first, end in targets:
             k = request.params.prompt_logprobs
             for i in range(row, row + end - first):
                 pairs = list(zip(top_ids[i, :k].tolist(), top_values[i, :k].tolist())) if k else []
-                request.prompt_logprobs.append(TokenLogprobs(int(ids[i]), float(chosen[i]), pairs))
+                request.prompt_logprobs.append(
+                    TokenLogprobs(int(ids[i]), float(chosen[i]), pairs, int(ranks[i]))
+                )
             row += end - first
 
     def _finish_prompt_logprobs(self, chunks: list) -> None:

@@ -22,6 +22,7 @@ from ..layers.sampler import (
     sampling_key,
     sampling_uniforms,
     token_logprobs,
+    token_logprobs_and_ranks,
 )
 from ..models.llama import LlamaForCausalLM
 from ..sampling_params import SamplingParams
@@ -101,9 +102,11 @@ def _controls(rows: list[_Sequence], vocab: int) -> SamplingControls:
     return controls
 
 
-def _logprobs_of(ids, values, chosen: float, token: int, k: int) -> TokenLogprobs:
+def _logprobs_of(
+    ids, values, chosen: float, token: int, k: int, rank: int | None = None
+) -> TokenLogprobs:
     top = [] if k == 0 else list(zip(ids[:k].tolist(), values[:k].tolist()))
-    return TokenLogprobs(token, chosen, top)
+    return TokenLogprobs(token, chosen, top, rank)
 
 
 def _prompt_logprobs(model: LlamaForCausalLM, prompt: list[int], k: int) -> list[TokenLogprobs]:
@@ -111,12 +114,14 @@ def _prompt_logprobs(model: LlamaForCausalLM, prompt: list[int], k: int) -> list
     if len(prompt) < 2:
         return []
     logits = model.logits_all_positions(prompt)[:-1]
-    chosen, ids, values = token_logprobs(logits, paddle.to_tensor(prompt[1:]), k)
-    chosen = chosen.numpy().tolist()
+    chosen, ids, values, ranks = token_logprobs_and_ranks(logits, paddle.to_tensor(prompt[1:]), k)
+    chosen, ranks = chosen.numpy().tolist(), ranks.numpy().tolist()
     ids = ids.numpy() if ids is not None else None
     values = values.numpy() if values is not None else None
     return [
-        _logprobs_of(ids[i] if k else None, values[i] if k else None, chosen[i], prompt[i + 1], k)
+        _logprobs_of(
+            ids[i] if k else None, values[i] if k else None, chosen[i], prompt[i + 1], k, ranks[i]
+        )
         for i in range(len(prompt) - 1)
     ]
 

@@ -44,11 +44,14 @@ FINISH_ABORT = "abort"  # Engine.abort
 class TokenLogprobs:
     """The logprob of the token at one position and the ``top`` most likely tokens there,
     as (token id, logprob) pairs, most likely first (ties: lower id first); ``top`` has
-    as many entries as the request asked for (``logprobs`` or ``prompt_logprobs``)."""
+    as many entries as the request asked for (``logprobs`` or ``prompt_logprobs``).
+    ``rank``, at prompt positions: how many tokens have a logprob at least the token's
+    (1 = most likely); None at generated positions."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
 
 
 @dataclass

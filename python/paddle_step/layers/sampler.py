@@ -33,6 +33,7 @@ __all__ = [
     "sampling_key",
     "sampling_uniforms",
     "token_logprobs",
+    "token_logprobs_and_ranks",
 ]
 
 # put_along_axis broadcasts its indices unless told not to (paddle >= 2.6).
@@ -310,7 +311,23 @@ def token_logprobs(
     """Logprobs of the raw distribution of each row of ``logits`` [R, V] (a log-softmax in
     the logits' dtype): of ``tokens`` [R], and the ``top`` most likely ids and their
     logprobs ([R, top] each, most likely first; None when ``top`` is 0)."""
+    return _logprobs_of_tokens(log_softmax(logits), tokens, top)
+
+
+def token_logprobs_and_ranks(
+    logits: paddle.Tensor, tokens: paddle.Tensor, top: int
+) -> tuple[paddle.Tensor, paddle.Tensor | None, paddle.Tensor | None, paddle.Tensor]:
+    """``token_logprobs`` and each token's rank [R] (int64): how many tokens of its row
+    have a logprob at least its own, itself included (1 = most likely; vLLM's rank)."""
     logprobs = log_softmax(logits)
+    chosen, ids, values = _logprobs_of_tokens(logprobs, tokens, top)
+    ranks = paddle.sum((logprobs >= chosen.unsqueeze(1)).astype("int64"), axis=-1)
+    return chosen, ids, values, ranks
+
+
+def _logprobs_of_tokens(
+    logprobs: paddle.Tensor, tokens: paddle.Tensor, top: int
+) -> tuple[paddle.Tensor, paddle.Tensor | None, paddle.Tensor | None]:
     chosen = paddle.take_along_axis(logprobs, tokens.unsqueeze(1), axis=-1).squeeze(1)
     if top == 0:
         return chosen, None, None

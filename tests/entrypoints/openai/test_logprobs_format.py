@@ -15,7 +15,7 @@ class Letters:
 def test_completion_shape_with_echoed_prompt():
     formatter = LogprobFormatter(Letters())
     tokens = [0, 3, 2]
-    entries = [None, (-0.5, [(1, -0.25), (3, -0.5)]), (-2.0, [(1, -0.1)])]
+    entries = [None, (-0.5, [(1, -0.25), (3, -0.5)], None), (-2.0, [(1, -0.1)], None)]
     assert formatter.completion(tokens, entries, 4) == {
         "tokens": ["a", "é", "c"],
         "token_logprobs": [None, -0.5, -2.0],
@@ -26,7 +26,7 @@ def test_completion_shape_with_echoed_prompt():
 
 def test_chat_shape():
     formatter = LogprobFormatter(Letters())
-    assert formatter.chat([3], [(-1.5, [(3, -1.5), (0, -2.0)])]) == [
+    assert formatter.chat([3], [(-1.5, [(3, -1.5), (0, -2.0)], None)]) == [
         {
             "token": "é",
             "logprob": -1.5,
@@ -42,12 +42,12 @@ def test_chat_shape():
 
 def test_vllm_prompt_shape():
     formatter = LogprobFormatter(Letters())
-    result = formatter.vllm_prompt([0, 1, 2], [(-0.5, [(1, -0.5)]), (-3.0, [(0, -0.1)])])
+    result = formatter.vllm_prompt([0, 1, 2], [(-0.5, [(1, -0.5)], 1), (-3.0, [(0, -0.1)], 7)])
     assert result == [
         None,
         {"1": {"logprob": -0.5, "rank": 1, "decoded_token": "b"}},
         {
             "0": {"logprob": -0.1, "rank": 1, "decoded_token": "a"},
-            "2": {"logprob": -3.0, "rank": None, "decoded_token": "c"},
+            "2": {"logprob": -3.0, "rank": 7, "decoded_token": "c"},
         },
     ]

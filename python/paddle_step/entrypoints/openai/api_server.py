@@ -341,7 +341,7 @@ class _Choice:
         self.text = TextStream(detokenizer, stops)
         self.pieces: list[str] = []
         self.token_ids: list[int] = []
-        self.logprobs: list = []  # (logprob, top) per token, when asked
+        self.logprobs: list = []  # (logprob, top, rank) per token, when asked
         self.unsent_logprobs = 0  # tokens whose logprobs no chunk has carried yet
         self.finish_reason: str | None = None
 
@@ -492,7 +492,7 @@ def _returned_choices(run: _Run, engine_order: list[int]) -> list[_Choice]:
 
 
 def _cumulative_logprob(choice: _Choice) -> float:
-    return sum(logprob for logprob, _top in choice.logprobs)
+    return sum(entry[0] for entry in choice.logprobs)  # (logprob, top, rank)
 
 
 async def _sse(

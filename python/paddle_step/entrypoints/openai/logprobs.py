@@ -3,8 +3,9 @@ token_logprobs, top_logprobs, text_offset}``, the chat API's ``content`` list, a
 ``prompt_logprobs``.
 
 An entry is what the engine reports for one position: ``(logprob, [(token_id, logprob),
-..])``, the token's own logprob and the most likely alternatives, or None where there is
-none (the first prompt token). Tokens are shown as their own decoded text, so a token
+..], rank)``, the token's own logprob, the most likely alternatives and, at a prompt
+position, the token's rank (None elsewhere), or None where there is none (the first prompt
+token). Tokens are shown as their own decoded text, so a token
 holding part of a multi-byte character shows U+FFFD (as vLLM's do).
 """
 
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 
 __all__ = ["LogprobFormatter"]
 
-Entry = tuple[float, list[tuple[int, float]]] | None
+Entry = tuple[float, list[tuple[int, float]], int | None] | None
 
 
 class LogprobFormatter:
@@ -44,7 +45,7 @@ class LogprobFormatter:
                 token_logprobs.append(None)
                 top_logprobs.append(None)
                 continue
-            logprob, top = entry
+            logprob, top, _rank = entry
             token_logprobs.append(logprob)
             alternatives = {self.text(other): other_logprob for other, other_logprob in top}
             alternatives.setdefault(text, logprob)
@@ -64,7 +65,7 @@ class LogprobFormatter:
         """The chat API's ``logprobs.content``: per token, its logprob and
         ``top_logprobs`` (the asked number of most likely tokens)."""
         content = []
-        for token, (logprob, top) in zip(tokens, entries):
+        for token, (logprob, top, _rank) in zip(tokens, entries):
             item = self._chat_token(token, logprob)
             item["top_logprobs"] = [self._chat_token(other, value) for other, value in top]
             content.append(item)
@@ -73,10 +74,10 @@ class LogprobFormatter:
     def vllm_prompt(self, prompt_ids: Sequence[int], entries: Sequence[Entry]) -> list:
         """vLLM's ``prompt_logprobs``: None for the first token, then per position a map
         from token id (as a string key) to ``{logprob, rank, decoded_token}``; ``rank`` (1
-        = most likely) is known for the listed alternatives and null for a prompt token
-        outside them."""
+        = most likely) is the place in the list of a listed alternative, and for a prompt
+        token outside the list the engine's count of tokens at least as likely."""
         result: list = [None]
-        for token, (logprob, top) in zip(prompt_ids[1:], entries):
+        for token, (logprob, top, rank) in zip(prompt_ids[1:], entries):
             ranks = {other: rank for rank, (other, _value) in enumerate(top, start=1)}
             position = {
                 str(other): {"logprob": value, "rank": ranks[other],
@@ -85,7 +86,11 @@ class LogprobFormatter:
             }  # fmt: skip
             position.setdefault(
                 str(token),
-                {"logprob": logprob, "rank": ranks.get(token), "decoded_token": self.text(token)},
+                {
+                    "logprob": logprob,
+                    "rank": ranks.get(token, rank),
+                    "decoded_token": self.text(token),
+                },
             )
             result.append(position)
         return result
