@@ -8,10 +8,12 @@ import paddle
 import pytest
 
 from paddle_step.layers.sampler import (
+    RANK_ROWS,
     SamplingControls,
     apply_controls,
     sample_tokens,
     token_logprobs,
+    token_logprobs_and_ranks,
 )
 
 ROWS, VOCAB, WIDTH = 5, 37, 11
@@ -149,3 +151,19 @@ def test_logprobs_equal_a_float64_log_softmax():
     np.testing.assert_allclose(values.numpy(), np.take_along_axis(reference, expected_ids, 1),
                                rtol=1e-12)  # fmt: skip
     assert token_logprobs(paddle.to_tensor(logits), paddle.to_tensor(tokens), 0)[1] is None
+
+
+@pytest.mark.parametrize("rows", [0, 1, RANK_ROWS, 2 * RANK_ROWS + 3])
+def test_ranks_count_the_tokens_at_least_as_likely(rows):
+    """Rank = the count of tokens whose logprob is at least the token's, itself included
+    (ties count against it, as vLLM's); rows counted in pieces give the same counts."""
+    rng = np.random.default_rng(rows)
+    logits = rng.integers(-4, 4, (rows, VOCAB)).astype(np.float64)  # many ties
+    tokens = rng.integers(0, VOCAB, rows)
+    chosen, _, _, ranks = token_logprobs_and_ranks(
+        paddle.to_tensor(logits), paddle.to_tensor(tokens), 0
+    )
+    own = logits[np.arange(rows), tokens]
+    assert ranks.dtype == paddle.int64
+    np.testing.assert_array_equal(ranks.numpy(), (logits >= own[:, None]).sum(axis=1))
+    assert chosen.shape == [rows]

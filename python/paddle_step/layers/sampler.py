@@ -36,6 +36,8 @@ __all__ = [
     "token_logprobs_and_ranks",
 ]
 
+# Rows whose ranks token_logprobs_and_ranks counts at a time.
+RANK_ROWS = 64
 # put_along_axis broadcasts its indices unless told not to (paddle >= 2.6).
 _PUT_OPTIONS = (
     {"broadcast": False}
@@ -321,7 +323,16 @@ def token_logprobs_and_ranks(
     have a logprob at least its own, itself included (1 = most likely; vLLM's rank)."""
     logprobs = log_softmax(logits)
     chosen, ids, values = _logprobs_of_tokens(logprobs, tokens, top)
-    ranks = paddle.sum((logprobs >= chosen.unsqueeze(1)).astype("int64"), axis=-1)
+    # Counted RANK_ROWS rows at a time: a whole prefill's [R, V] comparison as integers
+    # would take twice the memory of its logits.
+    counts = [
+        paddle.sum(
+            (logprobs[i : i + RANK_ROWS] >= chosen[i : i + RANK_ROWS].unsqueeze(1)).astype("int32"),
+            axis=-1,
+        )
+        for i in range(0, logprobs.shape[0], RANK_ROWS)
+    ]
+    ranks = paddle.concat(counts).astype("int64") if counts else paddle.zeros([0], "int64")
     return chosen, ids, values, ranks
 
 
