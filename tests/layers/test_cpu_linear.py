@@ -300,16 +300,16 @@ def test_packed_layouts():
 @pytest.mark.parametrize("k, n", [(7, 40), (33, 65), (1, 1)])
 def test_a_transposed_source_packs_the_same(weight_format, k, n):
     """W stored as its transpose [N, K] (a tied LM head's embedding) packs into the same
-    panels, scales and sizes as W [K, N] itself; the float32 source's bfloat16 bits pack the
-    same way too."""
+    panels, scales and sizes as W [K, N] itself; so do bfloat16 bits (each element cast
+    alone, so both forms hold the same bits whatever rounding the cast uses)."""
     w = np.random.default_rng(k * n).standard_normal((k, n)).astype(np.float32)
     group = 4 if weight_format == "int8" else None
-    sources = [np.ascontiguousarray(w.T)]
+    pairs = [(w, np.ascontiguousarray(w.T))]
     if weight_format == "bfloat16":
-        sources.append(paddle.to_tensor(sources[0]).astype("bfloat16"))
-    plain = cpu_linear.pack(w, weight_format, group)
-    for source in sources:
-        packed = cpu_linear.pack(source, weight_format, group, transposed=True)
+        pairs.append(tuple(paddle.to_tensor(a).astype("bfloat16") for a in pairs[0]))
+    for source, transposed in pairs:
+        plain = cpu_linear.pack(source, weight_format, group)
+        packed = cpu_linear.pack(transposed, weight_format, group, transposed=True)
         assert (packed.k, packed.n, packed.group_size) == (k, n, plain.group_size)
         np.testing.assert_array_equal(
             packed.weights.astype("float32").numpy(), plain.weights.astype("float32").numpy()
