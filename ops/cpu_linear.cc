@@ -129,15 +129,32 @@ cpu::SourceMatrix<T> SourceOf(const paddle::Tensor& w, const T* data,
                     : cpu::SourceMatrix<T>{data, rows, columns, false};
 }
 
+// body(begin, end) over ranges of `panels` panels on the pool (products, and
+// packing: it writes memory the process touches for the first time, whose
+// page faults take most of its time, and they scale with the threads).
+template <typename Body>
+void ForPanelRanges(int64_t panels, const Body& body) {
+  cpu::ThreadPool& pool = State().pool;
+  const int tasks = static_cast<int>(std::min<int64_t>(
+      {int64_t{pool.size()} * kTasksPerThread, panels,
+       cpu::ThreadPool::kMaxTasks}));
+  pool.Run(tasks, [&](int task) {
+    body(TaskBoundary(panels, tasks, task),
+         TaskBoundary(panels, tasks, task + 1));
+  });
+}
+
 }  // namespace
 
 paddle::Tensor CpuLinearPackFloat32(const paddle::Tensor& w, bool transposed) {
   CheckMatrix("w", w, {paddle::DataType::FLOAT32});
   const auto source = SourceOf(w, w.data<float>(), transposed);
-  auto packed =
-      paddle::empty({cpu::PanelCount(source.n), source.k, cpu::kPanelWidth},
-                    paddle::DataType::FLOAT32, paddle::CPUPlace());
-  cpu::PackFloat32(source, packed.data<float>());
+  const int64_t panels = cpu::PanelCount(source.n);
+  auto packed = paddle::empty({panels, source.k, cpu::kPanelWidth},
+                              paddle::DataType::FLOAT32, paddle::CPUPlace());
+  ForPanelRanges(panels, [&](int64_t begin, int64_t end) {
+    cpu::PackFloat32(source, packed.data<float>(), begin, end);
+  });
   return packed;
 }
 
@@ -145,18 +162,22 @@ paddle::Tensor CpuLinearPackBFloat16(const paddle::Tensor& w, bool transposed) {
   CheckMatrix("w", w, {paddle::DataType::FLOAT32, paddle::DataType::BFLOAT16});
   const int64_t k = transposed ? w.dims()[1] : w.dims()[0];
   const int64_t n = transposed ? w.dims()[0] : w.dims()[1];
+  const int64_t panels = cpu::PanelCount(n);
   auto packed = paddle::empty(
-      {cpu::PanelCount(n), cpu::PanelRows(cpu::WeightFormat::kBFloat16, k),
+      {panels, cpu::PanelRows(cpu::WeightFormat::kBFloat16, k),
        cpu::kPanelWidth, 2},
       paddle::DataType::BFLOAT16, paddle::CPUPlace());
   auto* out = reinterpret_cast<uint16_t*>(packed.data<phi::dtype::bfloat16>());
-  if (w.dtype() == paddle::DataType::FLOAT32) {
-    cpu::PackBFloat16(SourceOf(w, w.data<float>(), transposed), out);
-  } else {
-    const auto* bits =
-        reinterpret_cast<const uint16_t*>(w.data<phi::dtype::bfloat16>());
-    cpu::PackBFloat16(SourceOf(w, bits, transposed), out);
-  }
+  ForPanelRanges(panels, [&](int64_t begin, int64_t end) {
+    if (w.dtype() == paddle::DataType::FLOAT32) {
+      cpu::PackBFloat16(SourceOf(w, w.data<float>(), transposed), out, begin,
+                        end);
+    } else {
+      const auto* bits =
+          reinterpret_cast<const uint16_t*>(w.data<phi::dtype::bfloat16>());
+      cpu::PackBFloat16(SourceOf(w, bits, transposed), out, begin, end);
+    }
+  });
   return packed;
 }
 
@@ -172,8 +193,10 @@ std::vector<paddle::Tensor> CpuLinearPackInt8(const paddle::Tensor& w,
   auto scales = paddle::empty(
       {panels, cpu::GroupCount(source.k, group_size), cpu::kPanelWidth},
       paddle::DataType::FLOAT32, paddle::CPUPlace());
-  cpu::PackInt8(source, group_size, packed.data<int8_t>(),
-                scales.data<float>());
+  ForPanelRanges(panels, [&](int64_t begin, int64_t end) {
+    cpu::PackInt8(source, group_size, packed.data<int8_t>(),
+                  scales.data<float>(), begin, end);
+  });
   return {packed, scales};
 }
 
@@ -254,12 +277,8 @@ paddle::Tensor CpuLinear(const paddle::Tensor& x, const paddle::Tensor& weights,
   scratch.resize(cpu::ActivationBytes(isa, problem.w, m) / sizeof(uint32_t));
   cpu::PrepareActivations(isa, &problem, scratch.data());
 
-  const int tasks = static_cast<int>(std::min<int64_t>(
-      {int64_t{state.pool.size()} * kTasksPerThread, panels,
-       cpu::ThreadPool::kMaxTasks}));
-  state.pool.Run(tasks, [&](int task) {
-    cpu::LinearPanels(isa, problem, TaskBoundary(panels, tasks, task),
-                      TaskBoundary(panels, tasks, task + 1));
+  ForPanelRanges(panels, [&](int64_t begin, int64_t end) {
+    cpu::LinearPanels(isa, problem, begin, end);
   });
   return y;
 }

@@ -95,10 +95,13 @@ struct SourceMatrix {
   }
 };
 
+// The packers fill panels [begin, end) of `packed` (threads take ranges).
+
 // w: float32 [k, n]. packed: PanelCount(n) * PanelElements(kFloat32, k).
-inline void PackFloat32(const SourceMatrix<float>& w, float* packed) {
+inline void PackFloat32(const SourceMatrix<float>& w, float* packed,
+                        int64_t begin, int64_t end) {
   const int64_t k = w.k;
-  for (int64_t p = 0; p < PanelCount(w.n); ++p) {
+  for (int64_t p = begin; p < end; ++p) {
     const int64_t first = p * kPanelWidth;
     const int64_t width = std::min(kPanelWidth, w.n - first);
     float* panel = packed + p * PanelElements(WeightFormat::kFloat32, k);
@@ -117,12 +120,13 @@ inline void PackFloat32(const SourceMatrix<float>& w, float* packed) {
 // w: [k, n], float32 (rounded to bfloat16) or bfloat16 bits (copied).
 // packed: PanelCount(n) * PanelElements(kBFloat16, k) uint16.
 template <typename Source>
-inline void PackBFloat16(const SourceMatrix<Source>& w, uint16_t* packed) {
+inline void PackBFloat16(const SourceMatrix<Source>& w, uint16_t* packed,
+                         int64_t begin, int64_t end) {
   static_assert(std::is_same_v<Source, float> ||
                 std::is_same_v<Source, uint16_t>);
   const int64_t k = w.k;
   const int64_t pairs = PanelRows(WeightFormat::kBFloat16, k);
-  for (int64_t p = 0; p < PanelCount(w.n); ++p) {
+  for (int64_t p = begin; p < end; ++p) {
     const int64_t first = p * kPanelWidth;
     const int64_t width = std::min(kPanelWidth, w.n - first);
     uint16_t* panel = packed + p * PanelElements(WeightFormat::kBFloat16, k);
@@ -145,10 +149,11 @@ inline void PackBFloat16(const SourceMatrix<Source>& w, uint16_t* packed) {
 // PanelCount(n) * PanelElements(kInt8, k) int8; scales:
 // PanelCount(n) * GroupCount(k, group_size) * kPanelWidth float.
 inline void PackInt8(const SourceMatrix<float>& w, int64_t group_size,
-                     int8_t* packed, float* scales) {
+                     int8_t* packed, float* scales, int64_t begin,
+                     int64_t end) {
   const int64_t k = w.k;
   const int64_t groups = GroupCount(k, group_size);
-  for (int64_t p = 0; p < PanelCount(w.n); ++p) {
+  for (int64_t p = begin; p < end; ++p) {
     const int64_t first = p * kPanelWidth;
     const int64_t width = std::min(kPanelWidth, w.n - first);
     int8_t* panel = packed + p * PanelElements(WeightFormat::kInt8, k);
