@@ -320,19 +320,17 @@ def token_logprobs_and_ranks(
     logits: paddle.Tensor, tokens: paddle.Tensor, top: int
 ) -> tuple[paddle.Tensor, paddle.Tensor | None, paddle.Tensor | None, paddle.Tensor]:
     """``token_logprobs`` and each token's rank [R] (int64): how many tokens of its row
-    have a logprob at least its own, itself included (1 = most likely; vLLM's rank)."""
+    have a logprob at least its own, itself included (1 = most likely; vLLM's rank).
+    R >= 1 (paddle 2.6 reduces no empty tensor)."""
     logprobs = log_softmax(logits)
     chosen, ids, values = _logprobs_of_tokens(logprobs, tokens, top)
-    # Counted RANK_ROWS rows at a time: a whole prefill's [R, V] comparison as integers
-    # would take twice the memory of its logits.
+    # Counted RANK_ROWS rows at a time: a whole prefill's [R, V] comparison would take a
+    # quarter of the memory of its logits more (a sum of booleans is int64).
     counts = [
-        paddle.sum(
-            (logprobs[i : i + RANK_ROWS] >= chosen[i : i + RANK_ROWS].unsqueeze(1)).astype("int32"),
-            axis=-1,
-        )
+        paddle.sum(logprobs[i : i + RANK_ROWS] >= chosen[i : i + RANK_ROWS].unsqueeze(1), axis=-1)
         for i in range(0, logprobs.shape[0], RANK_ROWS)
     ]
-    ranks = paddle.concat(counts).astype("int64") if counts else paddle.zeros([0], "int64")
+    ranks = paddle.concat(counts).astype("int64")
     return chosen, ids, values, ranks
 
 
