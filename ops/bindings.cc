@@ -236,6 +236,9 @@ PYBIND11_MODULE(paddle_step_ops, module) {
       pybind11::arg("step"));
   module.def("cpu_rms_norm", &paddle_step::CpuRmsNorm, pybind11::arg("x"),
              pybind11::arg("weight"), pybind11::arg("eps"));
+  module.def("cpu_token_logprobs", &paddle_step::CpuTokenLogprobs,
+             pybind11::arg("logits"), pybind11::arg("tokens"),
+             pybind11::arg("top_logprobs"));
   module.def(
       "cpu_sample",
       [](const paddle::Tensor& logits, const paddle::Tensor& temperature,

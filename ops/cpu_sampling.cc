@@ -65,6 +65,22 @@ const T* DenseMatrix(const char* name, const paddle::Tensor& tensor,
   return tensor.data<T>();
 }
 
+// body(begin, end, scratch) over ranges of b's rows on the CPU kernels' pool,
+// as the products run: tasks are claimed one at a time, so a worker that
+// starts late leaves its rows to the others; `scratch` is the thread's own.
+template <typename Body>
+void ForRowRanges(const cpu::SamplingBatch& b, const Body& body) {
+  cpu::ThreadPool& pool = CpuThreadPool();
+  const int tasks = static_cast<int>(
+      std::min<int64_t>({int64_t{pool.size()} * kTasksPerThread, b.rows,
+                         cpu::ThreadPool::kMaxTasks}));
+  pool.Run(tasks, [&](int task) {
+    thread_local cpu::sampling::RowScratch scratch;
+    scratch.Reserve(b.vocab);
+    body(b.rows * task / tasks, b.rows * (task + 1) / tasks, scratch);
+  });
+}
+
 void Requires(const char* name, const Optional& tensor, const char* needed_by) {
   if (!tensor) {
     kCheck.Fail(name, std::string("a tensor (") + needed_by + " is given)",
@@ -178,18 +194,68 @@ std::vector<paddle::Tensor> CpuSample(
   if (rows == 0) return outputs;
 
   const cpu::Isa isa = CpuActiveIsa();
-  cpu::ThreadPool& pool = CpuThreadPool();
-  // Rows run in parallel on the CPU kernels' pool, as the products do: tasks
-  // are claimed one at a time, so a worker that starts late leaves its rows to
-  // the others.
-  const int tasks = static_cast<int>(std::min<int64_t>(
-      {int64_t{pool.size()} * kTasksPerThread, rows, cpu::ThreadPool::kMaxTasks}));
-  pool.Run(tasks, [&](int task) {
-    thread_local cpu::sampling::RowScratch scratch;
-    scratch.Reserve(b.vocab);
-    cpu::SampleRows(isa, b, rows * task / tasks, rows * (task + 1) / tasks,
-                    scratch);
-  });
+  ForRowRanges(
+      b, [&](int64_t begin, int64_t end, cpu::sampling::RowScratch& scratch) {
+        cpu::SampleRows(isa, b, begin, end, scratch);
+      });
+  return outputs;
+}
+
+std::vector<paddle::Tensor> CpuTokenLogprobs(const paddle::Tensor& logits,
+                                             const paddle::Tensor& tokens,
+                                             int64_t top_logprobs) {
+  using paddle::DataType;
+  constexpr InputChecker kLogprobsCheck("cpu_token_logprobs");
+  const TensorView logits_view = ViewOf(logits);
+  kLogprobsCheck.Dtype("logits", logits_view, {DataType::FLOAT32});
+  kLogprobsCheck.Shape("logits", logits_view, {-1, -1});
+  cpu::SamplingBatch b;
+  b.rows = logits_view.dims[0];
+  b.vocab = logits_view.dims[1];
+  const int64_t rows = b.rows;
+  if (b.vocab < 1) {
+    kLogprobsCheck.Fail(
+        "logits", "shape [R, V] with V >= 1",
+        "shape " + ShapeString(logits_view.dims, logits_view.rank));
+  }
+  b.logits = logits.data<float>();
+  b.logits_stride = kLogprobsCheck.RowStride("logits", logits);
+  const TensorView tokens_view = ViewOf(tokens);
+  kLogprobsCheck.Dtype("tokens", tokens_view, {DataType::INT64});
+  kLogprobsCheck.Shape("tokens", tokens_view, {rows});
+  kLogprobsCheck.DenseCpu("tokens", tokens);
+  b.given_tokens = tokens.data<int64_t>();
+  for (int64_t row = 0; row < rows; ++row) {
+    if (b.given_tokens[row] < 0 || b.given_tokens[row] >= b.vocab) {
+      kLogprobsCheck.Fail("tokens",
+                          "ids in [0, " + std::to_string(b.vocab) + ")",
+                          std::to_string(b.given_tokens[row]) + " at row " +
+                              std::to_string(row));
+    }
+  }
+  if (top_logprobs < 0 || top_logprobs > b.vocab) {
+    kLogprobsCheck.Fail("top_logprobs", "0 .. " + std::to_string(b.vocab),
+                        std::to_string(top_logprobs));
+  }
+  b.top_logprobs = top_logprobs;
+
+  const paddle::Place cpu = paddle::CPUPlace();
+  std::vector<paddle::Tensor> outputs{
+      paddle::empty({rows}, DataType::FLOAT32, cpu),
+      paddle::empty({rows, top_logprobs}, DataType::INT64, cpu),
+      paddle::empty({rows, top_logprobs}, DataType::FLOAT32, cpu),
+      paddle::empty({rows}, DataType::INT64, cpu)};
+  b.chosen_logprobs = outputs[0].data<float>();
+  b.top_ids = outputs[1].data<int64_t>();
+  b.top_values = outputs[2].data<float>();
+  b.ranks = outputs[3].data<int64_t>();
+  if (rows == 0) return outputs;
+
+  const cpu::Isa isa = CpuActiveIsa();
+  ForRowRanges(
+      b, [&](int64_t begin, int64_t end, cpu::sampling::RowScratch& scratch) {
+        cpu::TokenLogprobsRows(isa, b, begin, end, scratch);
+      });
   return outputs;
 }
 

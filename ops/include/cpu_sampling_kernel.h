@@ -77,11 +77,16 @@ struct SamplingBatch {
   // likely (ids and values [rows, top_logprobs], most likely first, lowest id
   // first on ties).
   int64_t top_logprobs = -1;
+  // TokenLogprobsRows' tokens [rows] (prompt positions: given, not drawn).
+  const int64_t* given_tokens = nullptr;
   // Outputs.
   int64_t* tokens = nullptr;          // [rows]
   float* chosen_logprobs = nullptr;   // [rows]
   int64_t* top_ids = nullptr;         // [rows, top_logprobs]
   float* top_values = nullptr;        // [rows, top_logprobs]
+  // [rows] or null: how many tokens have a logprob at least the chosen one's,
+  // itself included (1 = most likely; vLLM's rank).
+  int64_t* ranks = nullptr;
 };
 
 namespace sampling {
@@ -409,7 +414,13 @@ PADDLE_STEP_ROW_INLINE void Logprobs(const SamplingBatch& b, int64_t row,
   ExpNonPositive(shifted, shifted, vocab);
   const float log_total = static_cast<float>(std::log(Sum(shifted, vocab)));
   auto logprob = [&](int64_t id) { return (raw[id] - top) - log_total; };
-  b.chosen_logprobs[row] = logprob(token);
+  const float chosen = logprob(token);
+  b.chosen_logprobs[row] = chosen;
+  if (b.ranks != nullptr) {  // each logprob as computed above, not the logits
+    int64_t count = 0;
+    for (int64_t i = 0; i < vocab; ++i) count += logprob(i) >= chosen;
+    b.ranks[row] = count;
+  }
   const int64_t width = b.top_logprobs;
   if (width <= 0) return;
   // The `width` largest, most likely first; a later id enters only when
@@ -475,6 +486,27 @@ inline void SampleRows(Isa isa, const SamplingBatch& b, int64_t begin,
                        int64_t end, sampling::RowScratch& scratch) {
   int lanes = 1;
   RunOn<SampleRowsLoop>(isa, &lanes, &b, begin, end, &scratch);
+}
+
+// The logprobs of rows [begin, end) of `*b`'s raw logits at its given_tokens
+// (no controls, no draw), as a RunOn loop.
+struct TokenLogprobsLoop {
+  template <typename Floats>
+  __attribute__((always_inline)) static void Run(
+      const SamplingBatch* b, int64_t begin, int64_t end,
+      sampling::RowScratch* scratch) {
+    for (int64_t row = begin; row < end; ++row) {
+      sampling::Logprobs(*b, row, b->logits + row * b->logits_stride,
+                         b->given_tokens[row], *scratch);
+    }
+  }
+};
+
+// TokenLogprobsLoop on `isa`'s vectors.
+inline void TokenLogprobsRows(Isa isa, const SamplingBatch& b, int64_t begin,
+                              int64_t end, sampling::RowScratch& scratch) {
+  int lanes = 1;
+  RunOn<TokenLogprobsLoop>(isa, &lanes, &b, begin, end, &scratch);
 }
 
 }  // namespace paddle_step::cpu

@@ -1,4 +1,4 @@
-// The CPU sampling step's entry point on Paddle tensors (ops/cpu_sampling.cc),
+// The CPU sampling step's entry points on Paddle tensors (ops/cpu_sampling.cc),
 // bound by the pybind11 fast path (bindings.cc). The kernel is
 // ops/include/cpu_sampling_kernel.h, whose header states the semantics.
 #pragma once
@@ -41,5 +41,14 @@ std::vector<paddle::Tensor> CpuSample(
     const paddle::Tensor& top_p,
     PADDLE_STEP_CPU_SAMPLE_OPTIONAL_TENSORS(
         PADDLE_STEP_OPTIONAL_TENSOR_PARAMETER) int64_t top_logprobs);
+
+// The raw logprobs of given tokens (prompt positions) of `logits` float32
+// [R, V] (contiguous rows, any distance apart), tokens int64 [R] in [0, V):
+// {chosen float32 [R], top_ids int64 [R, N], top_values float32 [R, N],
+// ranks int64 [R]} (N = top_logprobs in 0 .. V; a rank counts the tokens
+// whose logprob is at least the token's, itself included).
+std::vector<paddle::Tensor> CpuTokenLogprobs(const paddle::Tensor& logits,
+                                             const paddle::Tensor& tokens,
+                                             int64_t top_logprobs);
 
 }  // namespace paddle_step

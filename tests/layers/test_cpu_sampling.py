@@ -10,12 +10,14 @@ import numpy as np
 import paddle
 import pytest
 
+import paddle_step_ops
 from paddle_step.layers import cpu_linear, cpu_sampling
 from paddle_step.layers.sampler import (
     SamplingControls,
     apply_controls,
     sample_tokens,
     token_logprobs,
+    token_logprobs_and_ranks,
 )
 from paddle_step.sampling_params import pack_token_mask, unpack_token_mask
 
@@ -351,3 +353,44 @@ def test_supports_only_float32_on_the_cpu():
     assert cpu_sampling.supports(paddle.zeros([2, 3], dtype="float32"))
     assert not cpu_sampling.supports(paddle.zeros([2, 3], dtype="float64"))
     assert not cpu_sampling.supports(paddle.zeros([2, 3], dtype="bfloat16"))
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("top", (0, 1, 5))
+def test_prompt_logprobs_and_ranks_equal_the_references(float_isa_path, vocab, top):
+    """Logprobs of given tokens (prompt positions) in one call: the float64 reference's,
+    the paddle path's ids and ranks, and ranks that count ties against the token."""
+    top = min(top, vocab)
+    rng = np.random.default_rng(vocab * 7 + top)
+    rows = 70  # more than one task per thread
+    logits = rng.normal(0, 3, (rows, vocab)).astype(np.float32)
+    logits[: rows // 2] = np.round(logits[: rows // 2])  # many exact ties
+    tokens = rng.integers(0, vocab, rows)
+    chosen, ids, values, ranks = cpu_sampling.token_logprobs_and_ranks(
+        paddle.to_tensor(logits), paddle.to_tensor(tokens), top
+    )
+    ref_chosen, ref_ids, ref_values = reference_logprobs(logits, tokens, top)
+    np.testing.assert_allclose(chosen.numpy(), ref_chosen, rtol=2e-6, atol=2e-6)
+    own = logits[np.arange(rows), tokens]
+    np.testing.assert_array_equal(ranks.numpy(), (logits >= own[:, None]).sum(axis=1))
+    paddle_path = token_logprobs_and_ranks(paddle.to_tensor(logits), paddle.to_tensor(tokens), top)
+    np.testing.assert_array_equal(ranks.numpy(), paddle_path[3].numpy())
+    if top == 0:
+        assert ids is None and values is None
+        return
+    np.testing.assert_array_equal(ids.numpy(), ref_ids)
+    np.testing.assert_allclose(values.numpy(), ref_values, rtol=2e-6, atol=2e-6)
+
+
+def test_prompt_logprobs_name_a_bad_argument():
+    logits = paddle.zeros([3, 7], "float32")
+    tokens = paddle.to_tensor([0, 6, 2])
+    token_logprobs_op = paddle_step_ops.cpu_token_logprobs
+    with pytest.raises(ValueError, match=r"'tokens': expected ids in \[0, 7\), got 7 at row 1"):
+        token_logprobs_op(logits, paddle.to_tensor([0, 7, 2]), 1)
+    with pytest.raises(ValueError, match=r"'tokens': expected shape \[3\], got shape \[2\]"):
+        token_logprobs_op(logits, tokens[:2], 1)
+    with pytest.raises(ValueError, match=r"'logits': expected dtype float32, got dtype float64"):
+        token_logprobs_op(logits.astype("float64"), tokens, 1)
+    with pytest.raises(ValueError, match=r"'top_logprobs': expected 0 .. 7, got 8"):
+        token_logprobs_op(logits, tokens, 8)

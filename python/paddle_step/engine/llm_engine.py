@@ -37,7 +37,7 @@ import paddle
 
 from ..config import EngineConfig
 from ..host_memory import keep_freed_memory
-from ..layers import prefetch_distance
+from ..layers import cpu_sampling, prefetch_distance
 from ..layers.sampler import sample_key, sampling_key, token_logprobs_and_ranks
 from ..models.llama import LlamaForCausalLM
 from ..sampling_params import SamplingParams
@@ -360,9 +360,11 @@ class Engine:
         ids = np.concatenate(
             [request.prompt_ids[first + 1 : end + 1] for request, first, end in targets]
         )
+        on_cpu = cpu_sampling.supports(logits)  # one call of the op, else paddle ops
+        logprobs_of = cpu_sampling.token_logprobs_and_ranks if on_cpu else token_logprobs_and_ranks
         chosen, top_ids, top_values, ranks = (
             None if t is None else t.numpy()
-            for t in token_logprobs_and_ranks(logits, paddle.to_tensor(ids.astype(np.int64)), top)
+            for t in logprobs_of(logits, paddle.to_tensor(ids.astype(np.int64)), top)
         )
         row = 0
         for request, first, end in targets:

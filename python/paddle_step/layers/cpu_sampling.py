@@ -13,7 +13,7 @@ import paddle
 
 import paddle_step_ops as _library
 
-__all__ = ["sample", "supports"]
+__all__ = ["sample", "supports", "token_logprobs_and_ranks"]
 
 
 def supports(logits: paddle.Tensor) -> bool:
@@ -67,3 +67,14 @@ def sample(
     if logprobs_top == 0:
         return tokens, (chosen, None, None)
     return tokens, (chosen, ids, values)
+
+
+def token_logprobs_and_ranks(
+    logits: paddle.Tensor, tokens: paddle.Tensor, top: int
+) -> tuple[paddle.Tensor, paddle.Tensor | None, paddle.Tensor | None, paddle.Tensor]:
+    """``sampler.token_logprobs_and_ranks`` of ``logits`` float32 [R, V] (``supports``)
+    in one call: per row one pass for the log-softmax's sum, one for the top ``top`` and
+    one for the rank, on the CPU kernels' threads (the paddle ops' passes over [R, V] took
+    ~4 ms a row on a 151,936-token vocabulary)."""
+    chosen, ids, values, ranks = _library.cpu_token_logprobs(logits, tokens, top)
+    return (chosen, None, None, ranks) if top == 0 else (chosen, ids, values, ranks)
