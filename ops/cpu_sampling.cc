@@ -65,6 +65,23 @@ const T* DenseMatrix(const char* name, const paddle::Tensor& tensor,
   return tensor.data<T>();
 }
 
+// b's logits from `logits` float32 [B, V >= 1] with contiguous rows: rows,
+// vocab, data and row stride; a bad one is refused by `check` (the op's name).
+void ReadLogits(const InputChecker& check, const paddle::Tensor& logits,
+                cpu::SamplingBatch* b) {
+  const TensorView view = ViewOf(logits);
+  check.Dtype("logits", view, {paddle::DataType::FLOAT32});
+  check.Shape("logits", view, {-1, -1});
+  b->rows = view.dims[0];
+  b->vocab = view.dims[1];
+  if (b->vocab < 1) {
+    check.Fail("logits", "shape [B, V] with V >= 1",
+               "shape " + ShapeString(view.dims, view.rank));
+  }
+  b->logits = logits.data<float>();
+  b->logits_stride = check.RowStride("logits", logits);
+}
+
 // body(begin, end, scratch) over ranges of b's rows on the CPU kernels' pool,
 // as the products run: tasks are claimed one at a time, so a worker that
 // starts late leaves its rows to the others; `scratch` is the thread's own.
@@ -96,19 +113,8 @@ std::vector<paddle::Tensor> CpuSample(
     PADDLE_STEP_CPU_SAMPLE_OPTIONAL_TENSORS(
         PADDLE_STEP_OPTIONAL_TENSOR_PARAMETER) int64_t top_logprobs) {
   using paddle::DataType;
-  const TensorView logits_view = ViewOf(logits);
-  kCheck.Dtype("logits", logits_view, {DataType::FLOAT32});
-  kCheck.Shape("logits", logits_view, {-1, -1});
   cpu::SamplingBatch b;
-  b.rows = logits_view.dims[0];
-  b.vocab = logits_view.dims[1];
-  if (b.vocab < 1) {
-    kCheck.Fail("logits", "shape [B, V] with V >= 1",
-                "shape " + ShapeString(logits_view.dims, logits_view.rank));
-  }
-  int64_t width = 0;
-  b.logits = Matrix<float>("logits", logits, DataType::FLOAT32, b.rows, &width,
-                           &b.logits_stride);
+  ReadLogits(kCheck, logits, &b);
   const int64_t rows = b.rows;
   b.temperature =
       Vector<float>("temperature", temperature, DataType::FLOAT32, rows);
@@ -206,20 +212,9 @@ std::vector<paddle::Tensor> CpuTokenLogprobs(const paddle::Tensor& logits,
                                              int64_t top_logprobs) {
   using paddle::DataType;
   constexpr InputChecker kLogprobsCheck("cpu_token_logprobs");
-  const TensorView logits_view = ViewOf(logits);
-  kLogprobsCheck.Dtype("logits", logits_view, {DataType::FLOAT32});
-  kLogprobsCheck.Shape("logits", logits_view, {-1, -1});
   cpu::SamplingBatch b;
-  b.rows = logits_view.dims[0];
-  b.vocab = logits_view.dims[1];
+  ReadLogits(kLogprobsCheck, logits, &b);
   const int64_t rows = b.rows;
-  if (b.vocab < 1) {
-    kLogprobsCheck.Fail(
-        "logits", "shape [R, V] with V >= 1",
-        "shape " + ShapeString(logits_view.dims, logits_view.rank));
-  }
-  b.logits = logits.data<float>();
-  b.logits_stride = kLogprobsCheck.RowStride("logits", logits);
   const TensorView tokens_view = ViewOf(tokens);
   kLogprobsCheck.Dtype("tokens", tokens_view, {DataType::INT64});
   kLogprobsCheck.Shape("tokens", tokens_view, {rows});
