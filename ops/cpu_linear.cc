@@ -119,14 +119,19 @@ int64_t TaskBoundary(int64_t panels, int tasks, int task) {
   return panels * task / tasks;
 }
 
-// w's [K, N]: its dims, or their reverse for a w stored as its transpose.
+// K and N of the product: w's dims, or their reverse for a w stored as its
+// transpose.
+std::pair<int64_t, int64_t> KAndN(const paddle::Tensor& w, bool transposed) {
+  return transposed ? std::pair{w.dims()[1], w.dims()[0]}
+                    : std::pair{w.dims()[0], w.dims()[1]};
+}
+
+// w (its elements at data) as the packers read it.
 template <typename T>
 cpu::SourceMatrix<T> SourceOf(const paddle::Tensor& w, const T* data,
                               bool transposed) {
-  const int64_t rows = w.dims()[0];
-  const int64_t columns = w.dims()[1];
-  return transposed ? cpu::SourceMatrix<T>{data, columns, rows, true}
-                    : cpu::SourceMatrix<T>{data, rows, columns, false};
+  const auto [k, n] = KAndN(w, transposed);
+  return cpu::SourceMatrix<T>{data, k, n, transposed};
 }
 
 // body(begin, end) over ranges of `panels` panels on the pool (products, and
@@ -160,8 +165,7 @@ paddle::Tensor CpuLinearPackFloat32(const paddle::Tensor& w, bool transposed) {
 
 paddle::Tensor CpuLinearPackBFloat16(const paddle::Tensor& w, bool transposed) {
   CheckMatrix("w", w, {paddle::DataType::FLOAT32, paddle::DataType::BFLOAT16});
-  const int64_t k = transposed ? w.dims()[1] : w.dims()[0];
-  const int64_t n = transposed ? w.dims()[0] : w.dims()[1];
+  const auto [k, n] = KAndN(w, transposed);
   const int64_t panels = cpu::PanelCount(n);
   auto packed = paddle::empty(
       {panels, cpu::PanelRows(cpu::WeightFormat::kBFloat16, k),

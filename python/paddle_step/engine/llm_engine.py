@@ -362,9 +362,8 @@ class Engine:
         )
         on_cpu = cpu_sampling.supports(logits)  # one call of the op, else paddle ops
         logprobs_of = cpu_sampling.token_logprobs_and_ranks if on_cpu else token_logprobs_and_ranks
-        chosen, top_ids, top_values, ranks = (
-            None if t is None else t.numpy()
-            for t in logprobs_of(logits, paddle.to_tensor(ids.astype(np.int64)), top)
+        chosen, top_ids, top_values, ranks = _arrays(
+            logprobs_of(logits, paddle.to_tensor(ids.astype(np.int64)), top)
         )
         row = 0
         for request, first, end in targets:
@@ -424,8 +423,11 @@ class Engine:
             raise StateError(problems)
 
 
+def _arrays(tensors: Sequence[paddle.Tensor | None]) -> list[np.ndarray | None]:
+    """Each tensor as a NumPy array (None stays None)."""
+    return [None if t is None else t.numpy() for t in tensors]
+
+
 def _on_host(logprobs: tuple | None) -> StepLogprobs | None:
     """``token_logprobs``' tensors as NumPy arrays."""
-    if logprobs is None:
-        return None
-    return StepLogprobs(*(None if t is None else t.numpy() for t in logprobs))
+    return None if logprobs is None else StepLogprobs(*_arrays(logprobs))
