@@ -261,10 +261,39 @@ def test_bad_chat_fields_are_refused_by_name(fields, param):
     assert error.value.param == param and f"'{param}'" in error.value.message
 
 
-def test_chat_tool_fields_accepted_only_empty():
+def test_chat_fields_that_ask_for_no_tool_call_storage_or_audio_are_accepted():
     chat(tools=[], tool_choice="none", functions=None, parallel_tool_calls=None).check(VOCAB)
-    with pytest.raises(ValidationError):
-        chat(tool_choice="auto")
+    chat(tool_choice="auto", function_call="auto", parallel_tool_calls=False).check(VOCAB)
+    chat(store=False, modalities=["text"]).check(VOCAB)
+
+
+REFUSED_NO_TOOLS_FIELDS = [
+    {"tool_choice": "required"},
+    {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+    {"function_call": {"name": "f"}},
+    {"parallel_tool_calls": "no"},
+    {"store": True},
+    {"modalities": ["text", "audio"]},
+    {"modalities": ["audio"]},
+    {"modalities": []},
+]
+
+
+@pytest.mark.parametrize("fields", REFUSED_NO_TOOLS_FIELDS, ids=str)
+def test_chat_fields_that_ask_for_tools_storage_or_audio_fail_validation_by_name(fields):
+    with pytest.raises(ValidationError) as error:
+        chat(**fields)
+    assert {e["loc"][0] for e in error.value.errors()} == set(fields)
+
+
+def test_a_tool_choice_that_asks_for_a_call_says_tools_are_not_supported():
+    with pytest.raises(ValidationError) as error:
+        chat(tool_choice={"type": "function", "function": {"name": "f"}})
+    [first] = error.value.errors()
+    assert first["msg"] == (
+        'tool calls are not supported by this server: expected "none" or "auto", got '
+        '{"type": "function", "function": {"name": "f"}}'
+    )
 
 
 def test_response_format():

@@ -3,7 +3,8 @@ per choice, and the error type.
 
 Every field a body may carry is declared here: an unknown field is a 400 naming it, and a
 field OpenAI defines that this server cannot honour (``tools``, ``suffix``, ...) is
-accepted only when absent or null. Nothing a client sends is silently ignored.
+accepted only when absent, null or asking for what the server does anyway (``tool_choice``
+"auto" without tools, ``store`` false). Nothing a client sends is silently ignored.
 """
 
 from __future__ import annotations
@@ -480,6 +481,21 @@ class ChatMessage(_Strict):
         return message
 
 
+def _no_tool_call(value):
+    if value in (None, "none", "auto"):
+        return value
+    raise PydanticCustomError(
+        "tool_choice",
+        'tool calls are not supported by this server: expected "none" or "auto", got {got}',
+        {"got": json.dumps(value)},
+    )
+
+
+# A choice that asks for no tool call: "none", or "auto", which OpenAI defines as the same
+# when no tools are given (and tools are refused).
+NoToolCall = Annotated[Literal["none", "auto"] | None, BeforeValidator(_no_tool_call)]
+
+
 class ChatCompletionRequest(_RequestFields):
     """``POST /v1/chat/completions``: messages rendered by the checkpoint's chat template."""
 
@@ -487,12 +503,17 @@ class ChatCompletionRequest(_RequestFields):
     max_completion_tokens: Integer | None = None
     logprobs: StrictBool = False
     top_logprobs: Integer | None = None
-    # Tool use is not supported: accepted only when absent, null, empty or "none".
+    # Tool use is not supported: accepted only in forms that ask for no tool call (no
+    # tools; a choice of "none", or "auto", which without tools OpenAI defines as the
+    # same; parallel calls allowed or not, as none is ever made).
     tools: list[Any] | None = None
-    tool_choice: Literal["none"] | None = None
+    tool_choice: NoToolCall = None
     functions: list[Any] | None = None
-    function_call: Literal["none"] | None = None
-    parallel_tool_calls: None = None
+    function_call: NoToolCall = None
+    parallel_tool_calls: StrictBool | None = None
+    # Accepted where they ask for what the server does anyway: store nothing, output text.
+    store: Literal[False] | None = None
+    modalities: Annotated[list[Literal["text"]], Field(min_length=1, max_length=1)] | None = None
 
     def check(self, vocab_size: int) -> None:
         self.check_common(vocab_size)
