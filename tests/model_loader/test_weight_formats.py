@@ -20,7 +20,12 @@ from paddle_step.model_loader.loader import load_checkpoint
 from paddle_step.models.llama import LlamaForCausalLM
 from paddle_step.sampling_params import SamplingParams
 from paddle_step.testing.perplexity import log_softmax, perplexity
-from paddle_step.testing.weight_formats import bfloat16_values, int8_values, write_bfloat16_copy
+from paddle_step.testing.weight_formats import (
+    bfloat16_bits,
+    bfloat16_values,
+    int8_values,
+    write_bfloat16_copy,
+)
 
 TESTS = Path(__file__).resolve().parents[1]
 DATA = TESTS / "data" / "hf-tiny"
@@ -81,6 +86,39 @@ def test_bfloat16_checkpoint_stays_bfloat16_bit_for_bit(bf16_checkpoint) -> None
     full = load_checkpoint(bf16_checkpoint, dtype="float32").model
     every_id = paddle.arange(config.vocab_size, dtype="int64")
     np.testing.assert_array_equal(cpu_linear.columns(packed, every_id).numpy(), full.embed.numpy())
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_bfloat16_checkpoint_packs_its_bits_as_the_widened_values_would(name, tmp_path) -> None:
+    """A bfloat16 checkpoint's matrices are packed from its bits, in the file's [out, in]
+    order (no float32 copy): every product's panels equal those packed from the float32
+    model of the same file, fused q/k/v and gate/up included; norms and biases widened."""
+    path = write_bfloat16_copy(DATA / name, tmp_path / name)
+    model = load_checkpoint(path).model
+    full = load_checkpoint(path, dtype="float32").model
+    assert model.config.weight_format == "bfloat16"
+
+    def same_panels(packed: cpu_linear.PackedWeights, *parts: paddle.Tensor) -> None:
+        expected = cpu_linear.pack_bfloat16(paddle.concat(parts, axis=1))
+        assert (packed.k, packed.n) == (expected.k, expected.n)
+        np.testing.assert_array_equal(
+            packed.weights.view("uint16").numpy(), expected.weights.view("uint16").numpy()
+        )
+
+    for layer, full_layer in zip(model.layers, full.layers):
+        qkv, qkv_bias, o, gate_up, down = (each for each in layer._dense_weights())
+        same_panels(qkv.packed, full_layer.wq, full_layer.wk, full_layer.wv)
+        same_panels(o.packed, full_layer.wo)
+        same_panels(gate_up.packed, full_layer.w_gate, full_layer.w_up)
+        same_panels(down.packed, full_layer.w_down)
+        for ours, theirs in ((layer.attn_norm, full_layer.attn_norm),
+                             (layer.mlp_norm, full_layer.mlp_norm)):  # fmt: skip
+            np.testing.assert_array_equal(ours.weight.numpy(), theirs.weight.numpy())
+        if full_layer.q_bias is not None:
+            biases = (full_layer.q_bias, full_layer.k_bias, full_layer.v_bias)
+            np.testing.assert_array_equal(qkv_bias.numpy(), paddle.concat(biases).numpy())
+    head = full.embed.T if full.config.tie_word_embeddings else full.lm_head
+    same_panels(model._lm_head.packed, head)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -204,3 +242,12 @@ def test_refusals(monkeypatch) -> None:
         CheckpointError, match="weights in bfloat16: .*no kernel for device 'gpu:0'"
     ):
         load_checkpoint(path, dtype="bfloat16")
+
+
+def test_bfloat16_bits_only_for_the_matrices_of_a_model_packed_in_bfloat16() -> None:
+    model = load_checkpoint(DATA / "llama-tiny", dtype="float32").model
+    weights = {key: param.numpy() for key, param in model.named_parameters()}
+    for key in ("layers.0.wq", "final_norm.weight"):  # a float32 model's matrix; a norm
+        bits = dict(weights, **{key: bfloat16_bits(weights[key])})
+        with pytest.raises(ValueError, match=r"expected values of a float dtype, got bfloat16"):
+            LlamaForCausalLM(model.config, bits)

@@ -26,9 +26,10 @@ _NUMPY_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64}
 TRANSPOSE_ROWS = 256
 
 
-def _bf16_to_float32(raw: bytes | bytearray) -> np.ndarray:
+def _bf16_to_float32(raw) -> np.ndarray:
     # bfloat16 is the upper half of a float32: widen by shifting into the high 16 bits.
-    return (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+    bits = raw if isinstance(raw, np.ndarray) else np.frombuffer(raw, dtype="<u2")
+    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def _read_header(stream) -> tuple[dict[str, dict], int]:
@@ -56,8 +57,9 @@ def stored_dtypes(path: Path) -> set[str]:
     return found
 
 
-def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of one safetensors file as a float array (bf16 widened to float32).
+def read_safetensors(path: Path, keep_bfloat16: bool = False) -> dict[str, np.ndarray]:
+    """Every tensor of one safetensors file as a float array (bf16 widened to float32, or
+    with ``keep_bfloat16`` kept as its bits: a uint16 view of the map).
 
     ``safetensors`` checks the file (its header, and that every tensor's bytes lie in it);
     the arrays then read the bytes through a read-only map of the file, not a copy (its
@@ -82,7 +84,7 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         begin, end = entry["data_offsets"]
         raw = data[first + begin : first + end]
         if dtype == "BF16":
-            flat = _bf16_to_float32(raw)
+            flat = np.frombuffer(raw, dtype="<u2") if keep_bfloat16 else _bf16_to_float32(raw)
         elif dtype in _NUMPY_DTYPES:
             flat = np.frombuffer(raw, dtype=np.dtype(_NUMPY_DTYPES[dtype]).newbyteorder("<"))
         else:
@@ -176,12 +178,24 @@ def _in_layout(array: np.ndarray, dtype: str, transpose: bool) -> np.ndarray:
     return out
 
 
+def _bfloat16_matrix(bits: np.ndarray, transpose: bool) -> np.ndarray:
+    """A matrix's bfloat16 bits (uint16) for a model packed in bfloat16: a view of the
+    file's map, [in, out] as a view of the stored [out, in] where ``transpose`` (the packer
+    reads either order). Not copied: packing copies them once, and the model keeps only
+    the packed copy, so the map ends with the load."""
+    return bits.T if transpose else bits
+
+
 def load_weights(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
+    """The model's arrays by its parameter names, in ``config.dtype``, matrices [in, out].
+    For a model packed in bfloat16, matrices the checkpoint stores in bfloat16 stay its bits
+    (``_bfloat16_matrix``): widening them to float32 and back is most of such a load."""
     names = _hf_to_model_names(config)
+    keep_bits = config.weight_format == "bfloat16"
     weights: dict[str, np.ndarray] = {}
     unexpected = []
     for file in _weight_files(path):
-        arrays = read_safetensors(file)
+        arrays = read_safetensors(file, keep_bfloat16=keep_bits)
         for hf_name in list(arrays):  # each dropped once cast: one model's worth at a time
             array = arrays.pop(hf_name)
             if hf_name not in names:
@@ -189,6 +203,11 @@ def load_weights(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
                     unexpected.append(hf_name)
                 continue
             name, transpose = names[hf_name]
+            if array.dtype == np.uint16 and array.ndim == 2:
+                weights[name] = _bfloat16_matrix(array, transpose)
+                continue
+            if array.dtype == np.uint16:  # a norm's or a bias's bits: those stay float
+                array = _bf16_to_float32(array)
             weights[name] = _in_layout(array, config.dtype, transpose)
     missing = [hf for hf, (name, _) in names.items() if name not in weights]
     if missing or unexpected:

@@ -60,10 +60,20 @@ Draw = Callable[[np.random.Generator], np.ndarray]
 ParameterValues = Callable[[str, list[int], Draw], np.ndarray]
 
 
+# A matrix given as bfloat16 bits (uint16), as a bfloat16 checkpoint stores it: taken by a
+# model packed in bfloat16 alone, and packed without a float32 copy (``_packed_product``).
+BFLOAT16_BITS = np.dtype(np.uint16)
+
+
 def _parameter(layer: nn.Layer, array: np.ndarray, dtype: str) -> paddle.Tensor:
     """A parameter of ``layer`` holding ``array`` cast to ``dtype``. Copied in with
     ``set_value``: Paddle's ``Assign`` initializer goes through a Python list of the values,
     about 40 bytes per weight at its peak (15 GB for a 0.5B model)."""
+    if array.dtype == BFLOAT16_BITS:  # a cast would read the bits as integers
+        raise ValueError(
+            f"expected values of a float dtype, got bfloat16 bits ({array.dtype}) of shape "
+            f"{list(array.shape)}: only the matrices of a model packed in bfloat16 take bits"
+        )
     param = layer.create_parameter(
         list(array.shape), dtype=dtype, default_initializer=nn.initializer.Constant(0.0)
     )
@@ -96,6 +106,17 @@ def _small_normal(size: int) -> Draw:
 def _scaled_normal(fan_in: int, fan_out: int) -> Draw:
     # 1/sqrt(fan_in) keeps activations O(1) through the stack.
     return lambda rng: rng.standard_normal((fan_in, fan_out)) / math.sqrt(fan_in)
+
+
+def _packed_product(weight_format: str, *arrays: np.ndarray) -> DenseWeight:
+    """The product of ``arrays`` [in, out_i] side by side, packed in ``weight_format`` with
+    no other copy kept. bfloat16 bits are packed from the [out, in] order a checkpoint stores
+    them in (the arrays are then views of it): joined by rows, not widened or transposed."""
+    if all(array.dtype == BFLOAT16_BITS for array in arrays):
+        stored = np.concatenate([array.T for array in arrays]) if len(arrays) > 1 else arrays[0].T
+        return DenseWeight.packed_only(stored, weight_format, transposed=True)
+    joined = np.concatenate(arrays, axis=1) if len(arrays) > 1 else arrays[0]
+    return DenseWeight.packed_only(joined.astype(np.float32, copy=False), weight_format)
 
 
 class DecoderLayer(nn.Layer):
@@ -167,17 +188,13 @@ class DecoderLayer(nn.Layer):
         """``_dense_weights`` of a model whose weights exist only in ``weight_format``,
         packed from the arrays, which are dropped."""
 
-        def packed(*arrays: np.ndarray) -> DenseWeight:
-            joined = np.concatenate(arrays, axis=1) if len(arrays) > 1 else arrays[0]
-            return DenseWeight.packed_only(joined.astype(np.float32, copy=False), weight_format)
-
         biases = (self.q_bias, self.k_bias, self.v_bias)
         dense = (
-            packed(self.wq, self.wk, self.wv),
+            _packed_product(weight_format, self.wq, self.wk, self.wv),
             None if self.q_bias is None else paddle.concat(biases),
-            packed(self.wo),
-            packed(self.w_gate, self.w_up),
-            packed(self.w_down),
+            _packed_product(weight_format, self.wo),
+            _packed_product(weight_format, self.w_gate, self.w_up),
+            _packed_product(weight_format, self.w_down),
         )
         self.wq = self.wk = self.wv = self.wo = self.w_gate = self.w_up = self.w_down = None
         return dense
@@ -275,7 +292,8 @@ class LlamaForCausalLM(nn.Layer):
 
     ``weights`` maps every parameter name (as ``named_parameters`` lists them, e.g.
     ``layers.0.wq``; matrices [in, out]) to its array; without it the weights are drawn from
-    ``config.seed``.
+    ``config.seed``. A model packed in bfloat16 also takes a matrix as bfloat16 bits
+    (uint16, e.g. a transposed view of a checkpoint's [out, in]).
 
     ``all_reduce``: for one tensor-parallel rank's shard (``config`` with this rank's head
     counts and intermediate size, ``weights`` its slices, see
@@ -336,7 +354,9 @@ class LlamaForCausalLM(nn.Layer):
             self.embed = parameter("embed", [vocab, hidden], embedding)
         else:
             # Packed as the LM head's [hidden, vocab]: a tied model keeps one copy.
-            embed = tracked("embed", [vocab, hidden], embedding).astype(np.float32, copy=False)
+            embed = tracked("embed", [vocab, hidden], embedding)
+            if embed.dtype != BFLOAT16_BITS:
+                embed = embed.astype(np.float32, copy=False)
             self.embed = None
             self._embedding = DenseWeight.packed_only(embed, config.weight_format, transposed=True)
             del embed
@@ -357,9 +377,7 @@ class LlamaForCausalLM(nn.Layer):
         else:
             self.lm_head = None
             head = tracked("lm_head", [hidden, vocab], lm_head)
-            self._lm_head = DenseWeight.packed_only(
-                head.astype(np.float32, copy=False), config.weight_format
-            )
+            self._lm_head = _packed_product(config.weight_format, head)
         if weights is not None:
             known = {name for name, _ in self.named_parameters()} | consumed
             unused = sorted(set(weights) - known)
