@@ -188,18 +188,25 @@ paddle::Tensor CpuLinearPackBFloat16(const paddle::Tensor& w, bool transposed) {
 std::vector<paddle::Tensor> CpuLinearPackInt8(const paddle::Tensor& w,
                                               int64_t group_size,
                                               bool transposed) {
-  CheckMatrix("w", w, {paddle::DataType::FLOAT32});
+  CheckMatrix("w", w, {paddle::DataType::FLOAT32, paddle::DataType::BFLOAT16});
   kCheck.Positive("group_size", group_size);
-  const auto source = SourceOf(w, w.data<float>(), transposed);
-  const int64_t panels = cpu::PanelCount(source.n);
-  auto packed = paddle::empty({panels, source.k, cpu::kPanelWidth},
+  const auto [k, n] = KAndN(w, transposed);
+  const int64_t panels = cpu::PanelCount(n);
+  auto packed = paddle::empty({panels, k, cpu::kPanelWidth},
                               paddle::DataType::INT8, paddle::CPUPlace());
   auto scales = paddle::empty(
-      {panels, cpu::GroupCount(source.k, group_size), cpu::kPanelWidth},
+      {panels, cpu::GroupCount(k, group_size), cpu::kPanelWidth},
       paddle::DataType::FLOAT32, paddle::CPUPlace());
   ForPanelRanges(panels, [&](int64_t begin, int64_t end) {
-    cpu::PackInt8(source, group_size, packed.data<int8_t>(),
-                  scales.data<float>(), begin, end);
+    if (w.dtype() == paddle::DataType::FLOAT32) {
+      cpu::PackInt8(SourceOf(w, w.data<float>(), transposed), group_size,
+                    packed.data<int8_t>(), scales.data<float>(), begin, end);
+    } else {
+      const auto* bits =
+          reinterpret_cast<const uint16_t*>(w.data<phi::dtype::bfloat16>());
+      cpu::PackInt8(SourceOf(w, bits, transposed), group_size,
+                    packed.data<int8_t>(), scales.data<float>(), begin, end);
+    }
   });
   return {packed, scales};
 }

@@ -144,18 +144,24 @@ inline void PackBFloat16(const SourceMatrix<Source>& w, uint16_t* packed,
   }
 }
 
-// w: float32 [k, n], quantized per column and group of group_size rows:
-// scale = max|w| / 127, q = round(w / scale). packed:
-// PanelCount(n) * PanelElements(kInt8, k) int8; scales:
+// w: [k, n], float32 or bfloat16 bits (widened exactly), quantized per column
+// and group of group_size rows: scale = max|w| / 127, q = round(w / scale).
+// packed: PanelCount(n) * PanelElements(kInt8, k) int8; scales:
 // PanelCount(n) * GroupCount(k, group_size) * kPanelWidth float.
-inline void PackInt8(const SourceMatrix<float>& w, int64_t group_size,
+template <typename Source>
+inline void PackInt8(const SourceMatrix<Source>& source, int64_t group_size,
                      int8_t* packed, float* scales, int64_t begin,
                      int64_t end) {
-  const int64_t k = w.k;
+  static_assert(std::is_same_v<Source, float> ||
+                std::is_same_v<Source, uint16_t>);
+  const auto w = [&](int64_t row, int64_t column) {
+    return Widened(source(row, column));
+  };
+  const int64_t k = source.k;
   const int64_t groups = GroupCount(k, group_size);
   for (int64_t p = begin; p < end; ++p) {
     const int64_t first = p * kPanelWidth;
-    const int64_t width = std::min(kPanelWidth, w.n - first);
+    const int64_t width = std::min(kPanelWidth, source.n - first);
     int8_t* panel = packed + p * PanelElements(WeightFormat::kInt8, k);
     float* panel_scales = scales + p * groups * kPanelWidth;
     std::fill(panel, panel + k * kPanelWidth, int8_t{0});

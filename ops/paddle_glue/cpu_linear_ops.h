@@ -21,9 +21,9 @@ paddle::Tensor CpuLinearPackFloat32(const paddle::Tensor& w, bool transposed);
 // [ceil(N/32), ceil(K/2), 32, 2] (float32 rounds to nearest even).
 paddle::Tensor CpuLinearPackBFloat16(const paddle::Tensor& w, bool transposed);
 
-// W float32 quantized to symmetric int8 with a float32 scale per column and
-// group of `group_size` rows of K: {int8 panels [ceil(N/32), K, 32], float32
-// scales [ceil(N/32), ceil(K/group_size), 32]}.
+// W float32 or bfloat16 quantized to symmetric int8 with a float32 scale per
+// column and group of `group_size` rows of K: {int8 panels [ceil(N/32), K, 32],
+// float32 scales [ceil(N/32), ceil(K/group_size), 32]}.
 std::vector<paddle::Tensor> CpuLinearPackInt8(const paddle::Tensor& w,
                                               int64_t group_size,
                                               bool transposed);

@@ -24,6 +24,7 @@ import pytest
 
 from paddle_step.layers import cpu_linear
 from paddle_step.testing.cpu_paths import ISA_PATHS, on_isa, runs_here
+from paddle_step.testing.weight_formats import bfloat16_bits, bfloat16_values
 
 FORMATS = (("float32", None), ("bfloat16", None), ("int8", None), ("int8", 32))
 UNIT_ROUNDOFF = 2.0**-24
@@ -38,13 +39,6 @@ SHAPES = (
     + [(m, 896, 100) for m in (1, 8, 9, 33, 64)]
     + [(17, 100, 1), (3, 13, 100), (2, 1, 33), (7, 896, 4864)]
 )
-
-
-def bfloat16_values(w):
-    """float32 ``w`` rounded to the nearest bfloat16 (ties to even), as float32."""
-    bits = w.astype(np.float32).view(np.uint32).astype(np.uint64)
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-    return rounded.astype(np.uint32).view(np.float32)
 
 
 def int8_quantized(w, group_size):
@@ -316,6 +310,21 @@ def test_a_transposed_source_packs_the_same(weight_format, k, n):
         )
         if weight_format == "int8":
             np.testing.assert_array_equal(packed.scales.numpy(), plain.scales.numpy())
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("k, n", [(7, 40), (33, 65)])
+def test_int8_from_bfloat16_bits_quantizes_the_values_they_hold(k, n, transposed):
+    """A bfloat16 checkpoint quantized at load: int8 packed from the bits equals int8 packed
+    from the same values in float32."""
+    w = bfloat16_values(np.random.default_rng(k + n).standard_normal((k, n)).astype(np.float32))
+    stored = np.ascontiguousarray(w.T) if transposed else w
+    bits = paddle.to_tensor(bfloat16_bits(stored))
+    assert bits.dtype == paddle.bfloat16
+    from_bits = cpu_linear.pack_int8(bits, group_size=4, transposed=transposed)
+    from_floats = cpu_linear.pack_int8(w, group_size=4)
+    np.testing.assert_array_equal(from_bits.weights.numpy(), from_floats.weights.numpy())
+    np.testing.assert_array_equal(from_bits.scales.numpy(), from_floats.scales.numpy())
 
 
 def test_bfloat16_weights_are_kept_exactly():

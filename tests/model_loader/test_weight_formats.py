@@ -88,22 +88,31 @@ def test_bfloat16_checkpoint_stays_bfloat16_bit_for_bit(bf16_checkpoint) -> None
     np.testing.assert_array_equal(cpu_linear.columns(packed, every_id).numpy(), full.embed.numpy())
 
 
+@pytest.mark.parametrize("weight_format", FORMATS)
 @pytest.mark.parametrize("name", MODELS)
-def test_bfloat16_checkpoint_packs_its_bits_as_the_widened_values_would(name, tmp_path) -> None:
-    """A bfloat16 checkpoint's matrices are packed from its bits, in the file's [out, in]
-    order (no float32 copy): every product's panels equal those packed from the float32
-    model of the same file, fused q/k/v and gate/up included; norms and biases widened."""
+def test_bfloat16_checkpoint_packs_its_bits_as_the_widened_values_would(
+    name, weight_format, tmp_path
+) -> None:
+    """A bfloat16 checkpoint's matrices are packed (or quantized) from its bits, in the
+    file's [out, in] order (no float32 copy): every product's panels equal those packed from
+    the float32 model of the same file, fused q/k/v and gate/up included; norms and biases
+    widened."""
     path = write_bfloat16_copy(DATA / name, tmp_path / name)
-    model = load_checkpoint(path).model
+    model = load(path, weight_format).model
     full = load_checkpoint(path, dtype="float32").model
-    assert model.config.weight_format == "bfloat16"
+    assert model.config.weight_format == weight_format
 
     def same_panels(packed: cpu_linear.PackedWeights, *parts: paddle.Tensor) -> None:
-        expected = cpu_linear.pack_bfloat16(paddle.concat(parts, axis=1))
-        assert (packed.k, packed.n) == (expected.k, expected.n)
-        np.testing.assert_array_equal(
-            packed.weights.view("uint16").numpy(), expected.weights.view("uint16").numpy()
+        expected = cpu_linear.pack(
+            paddle.concat(parts, axis=1), weight_format, packed.group_size or None
         )
+        assert (packed.k, packed.n) == (expected.k, expected.n)
+        bits = "uint16" if weight_format == "bfloat16" else "int8"
+        np.testing.assert_array_equal(
+            packed.weights.view(bits).numpy(), expected.weights.view(bits).numpy()
+        )
+        if expected.scales is not None:
+            np.testing.assert_array_equal(packed.scales.numpy(), expected.scales.numpy())
 
     for layer, full_layer in zip(model.layers, full.layers):
         qkv, qkv_bias, o, gate_up, down = (each for each in layer._dense_weights())

@@ -75,9 +75,9 @@ def pack_bfloat16(w, transposed: bool = False) -> PackedWeights:
 
 
 def pack_int8(w, group_size: int | None = None, transposed: bool = False) -> PackedWeights:
-    """``w`` float32 [K, N] ([N, K] with ``transposed``) quantized to symmetric int8, one
-    scale (max |w| / 127) per column and group of ``group_size`` rows of K; None: one scale
-    per column."""
+    """``w`` float32 or bfloat16 [K, N] ([N, K] with ``transposed``) quantized to symmetric
+    int8, one scale (max |w| / 127) per column and group of ``group_size`` rows of K; None:
+    one scale per column."""
     w = _tensor(w)
     group = (w.shape[-1] if transposed else w.shape[0]) if group_size is None else group_size
     weights, scales = _library.cpu_linear_pack_int8(w, group, transposed)  # checks w first

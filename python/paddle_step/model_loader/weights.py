@@ -179,7 +179,7 @@ def _in_layout(array: np.ndarray, dtype: str, transpose: bool) -> np.ndarray:
 
 
 def _bfloat16_matrix(bits: np.ndarray, transpose: bool) -> np.ndarray:
-    """A matrix's bfloat16 bits (uint16) for a model packed in bfloat16: a view of the
+    """A matrix's bfloat16 bits (uint16) for a model packed in bfloat16 or int8: a view of the
     file's map, [in, out] as a view of the stored [out, in] where ``transpose`` (the packer
     reads either order). Not copied: packing copies them once, and the model keeps only
     the packed copy, so the map ends with the load."""
@@ -188,10 +188,11 @@ def _bfloat16_matrix(bits: np.ndarray, transpose: bool) -> np.ndarray:
 
 def load_weights(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
     """The model's arrays by its parameter names, in ``config.dtype``, matrices [in, out].
-    For a model packed in bfloat16, matrices the checkpoint stores in bfloat16 stay its bits
-    (``_bfloat16_matrix``): widening them to float32 and back is most of such a load."""
+    For a model packed in bfloat16 or int8, matrices the checkpoint stores in bfloat16 stay
+    its bits (``_bfloat16_matrix``), which the packers read: a float32 copy was most of such
+    a load."""
     names = _hf_to_model_names(config)
-    keep_bits = config.weight_format == "bfloat16"
+    keep_bits = config.weight_format in ("bfloat16", "int8")
     weights: dict[str, np.ndarray] = {}
     unexpected = []
     for file in _weight_files(path):

@@ -61,7 +61,8 @@ ParameterValues = Callable[[str, list[int], Draw], np.ndarray]
 
 
 # A matrix given as bfloat16 bits (uint16), as a bfloat16 checkpoint stores it: taken by a
-# model packed in bfloat16 alone, and packed without a float32 copy (``_packed_product``).
+# model packed in bfloat16 or int8 alone, and packed without a float32 copy
+# (``_packed_product``).
 BFLOAT16_BITS = np.dtype(np.uint16)
 
 
@@ -72,7 +73,7 @@ def _parameter(layer: nn.Layer, array: np.ndarray, dtype: str) -> paddle.Tensor:
     if array.dtype == BFLOAT16_BITS:  # a cast would read the bits as integers
         raise ValueError(
             f"expected values of a float dtype, got bfloat16 bits ({array.dtype}) of shape "
-            f"{list(array.shape)}: only the matrices of a model packed in bfloat16 take bits"
+            f"{list(array.shape)}: only the matrices of a packed model take bits"
         )
     param = layer.create_parameter(
         list(array.shape), dtype=dtype, default_initializer=nn.initializer.Constant(0.0)
@@ -292,8 +293,8 @@ class LlamaForCausalLM(nn.Layer):
 
     ``weights`` maps every parameter name (as ``named_parameters`` lists them, e.g.
     ``layers.0.wq``; matrices [in, out]) to its array; without it the weights are drawn from
-    ``config.seed``. A model packed in bfloat16 also takes a matrix as bfloat16 bits
-    (uint16, e.g. a transposed view of a checkpoint's [out, in]).
+    ``config.seed``. A model packed in bfloat16 or int8 also takes a matrix as bfloat16
+    bits (uint16, e.g. a transposed view of a checkpoint's [out, in]).
 
     ``all_reduce``: for one tensor-parallel rank's shard (``config`` with this rank's head
     counts and intermediate size, ``weights`` its slices, see
