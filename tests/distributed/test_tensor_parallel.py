@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import numpy as np
@@ -30,6 +31,7 @@ from paddle_step.layers import cpu_linear
 from paddle_step.model_loader.loader import load_checkpoint
 from paddle_step.sampling_params import SamplingParams
 from paddle_step.testing.server_process import descendants, free_port, metric, wait_for_health
+from paddle_step.testing.weight_formats import write_bfloat16_copy
 
 REPO = Path(__file__).resolve().parents[2]
 CHECKPOINTS = REPO / "tests" / "data" / "hf-tiny"
@@ -119,6 +121,57 @@ def test_tp2_packed_weights_keep_the_ranks_in_step(tmp_path, flags):
     assert all(len(r["token_ids"]) == 16 for r in result["requests"])
 
 
+def rank_slices(
+    config: ModelConfig, local: ModelConfig, rank: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The full model's query columns, KV columns and intermediate columns that ``rank``'s
+    shard (of config ``local``) holds."""
+    head_dim = config.head_dim
+    heads = np.arange(rank * local.num_heads * head_dim, (rank + 1) * local.num_heads * head_dim)
+    first_kv = rank * local.num_heads // (config.num_heads // config.num_kv_heads)
+    kv = np.arange(first_kv * head_dim, (first_kv + local.num_kv_heads) * head_dim)
+    mlp = np.arange(rank * local.intermediate_size, (rank + 1) * local.intermediate_size)
+    return heads, kv, mlp
+
+
+class RankShare(NamedTuple):
+    """What one rank's shard holds of the full model's products: columns of the fused
+    q/k/v and gate/up products, rows of wo and w_down."""
+
+    qkv_columns: np.ndarray
+    gate_up_columns: np.ndarray
+    o_rows: np.ndarray
+    down_rows: np.ndarray
+
+
+def rank_share(config: ModelConfig, local: ModelConfig, rank: int) -> RankShare:
+    """``rank``'s share of a model of ``config``, whose shard has config ``local``."""
+    head_dim, intermediate = config.head_dim, config.intermediate_size
+    q_width, kv_width = config.num_heads * head_dim, config.num_kv_heads * head_dim
+    heads = np.arange(rank * local.num_heads * head_dim, (rank + 1) * local.num_heads * head_dim)
+    first_kv = rank * local.num_heads // (config.num_heads // config.num_kv_heads)
+    kv = np.arange(first_kv * head_dim, (first_kv + local.num_kv_heads) * head_dim)
+    mlp = np.arange(rank * local.intermediate_size, (rank + 1) * local.intermediate_size)
+    return RankShare(
+        qkv_columns=np.concatenate([heads, q_width + kv, q_width + kv_width + kv]),
+        gate_up_columns=np.concatenate([mlp, intermediate + mlp]),
+        o_rows=heads,
+        down_rows=mlp,
+    )
+
+
+def packed_columns(product: cpu_linear.PackedWeights, ids: np.ndarray | None = None) -> np.ndarray:
+    """Columns ``ids`` (default: all) of a packed product, [ids, K]."""
+    ids = np.arange(product.n) if ids is None else ids
+    return cpu_linear.columns(product, paddle.to_tensor(ids)).numpy()
+
+
+def packed_products(layer) -> tuple[cpu_linear.PackedWeights, ...]:
+    """A decoder layer's packed q/k/v, o, gate/up and down products."""
+    qkv, _bias, o, gate_up, down = layer._dense_weights()
+    return qkv.packed, o.packed, gate_up.packed, down.packed
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_int8_shards_keep_the_scales_of_their_columns(world_size):
     """The column-parallel q/k/v and gate/up shards hold exactly the full model's int8
@@ -126,34 +179,36 @@ def test_int8_shards_keep_the_scales_of_their_columns(world_size):
     others); the row-parallel wo and w_down are quantized over the rank's rows."""
     path = CHECKPOINTS / "llama-tiny"
     full = load_checkpoint(path, quantization="int8").model
-    config = full.config
-    head_dim, intermediate = config.head_dim, config.intermediate_size
-    q_width, kv_width = config.num_heads * head_dim, config.num_kv_heads * head_dim
     for rank in range(world_size):
         shard = load_checkpoint(
             path, quantization="int8", tensor_parallel=TensorParallel(rank, world_size)
         ).model
-        local = shard.config
-        heads = np.arange(
-            rank * local.num_heads * head_dim, (rank + 1) * local.num_heads * head_dim
-        )
-        first_kv = rank * local.num_heads // (config.num_heads // config.num_kv_heads)
-        kv = np.arange(first_kv * head_dim, (first_kv + local.num_kv_heads) * head_dim)
-        mlp = np.arange(rank * local.intermediate_size, (rank + 1) * local.intermediate_size)
+        share = rank_share(full.config, shard.config, rank)
         for layer_full, layer_shard in zip(full.layers, shard.layers):
-            w_qkv, _, _, w_gate_up, _ = layer_full._dense_weights()
-            s_qkv, _, _, s_gate_up, _ = layer_shard._dense_weights()
-            qkv_columns = np.concatenate([heads, q_width + kv, q_width + kv_width + kv])
-            gate_up_columns = np.concatenate([mlp, intermediate + mlp])
-            for whole, part, columns in (
-                (w_qkv, s_qkv, qkv_columns),
-                (w_gate_up, s_gate_up, gate_up_columns),
-            ):
-                every = paddle.arange(part.packed.n, dtype="int64")
-                np.testing.assert_array_equal(
-                    cpu_linear.columns(part.packed, every).numpy(),
-                    cpu_linear.columns(whole.packed, paddle.to_tensor(columns)).numpy(),
-                )
+            f_qkv, _, f_gate_up, _ = packed_products(layer_full)
+            s_qkv, _, s_gate_up, _ = packed_products(layer_shard)
+            for whole, part, ids in ((f_qkv, s_qkv, share.qkv_columns),
+                                     (f_gate_up, s_gate_up, share.gate_up_columns)):  # fmt: skip
+                np.testing.assert_array_equal(packed_columns(part), packed_columns(whole, ids))
+
+
+def test_shards_of_a_bfloat16_checkpoint_hold_the_full_models_bits(tmp_path):
+    """Packed from the file's bits, each rank's shard holds exactly the full model's
+    bfloat16 values: its q/k/v and gate/up columns, and its rows of wo and w_down."""
+    path = write_bfloat16_copy(CHECKPOINTS / "qwen2-tiny", tmp_path / "qwen2-tiny")
+    full = load_checkpoint(path).model
+    assert full.config.weight_format == "bfloat16"
+    for rank in range(2):
+        shard = load_checkpoint(path, tensor_parallel=TensorParallel(rank, 2)).model
+        share = rank_share(full.config, shard.config, rank)
+        for layer_full, layer_shard in zip(full.layers, shard.layers):
+            f_qkv, f_o, f_gate_up, f_down = packed_products(layer_full)
+            s_qkv, s_o, s_gate_up, s_down = packed_products(layer_shard)
+            for whole, part, ids in ((f_qkv, s_qkv, share.qkv_columns),
+                                     (f_gate_up, s_gate_up, share.gate_up_columns)):  # fmt: skip
+                np.testing.assert_array_equal(packed_columns(part), packed_columns(whole, ids))
+            for whole, part, rows in ((f_o, s_o, share.o_rows), (f_down, s_down, share.down_rows)):
+                np.testing.assert_array_equal(packed_columns(part), packed_columns(whole)[:, rows])
 
 
 def test_tp2_sampling_equals_tp1(tmp_path):
