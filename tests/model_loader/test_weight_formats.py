@@ -5,6 +5,7 @@ the very weights it holds, its accuracy against float32 and transformers, and th
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -260,3 +261,7 @@ def test_bfloat16_bits_only_for_the_matrices_of_a_model_packed_in_bfloat16() -> 
         bits = dict(weights, **{key: bfloat16_bits(weights[key])})
         with pytest.raises(ValueError, match=r"expected values of a float dtype, got bfloat16"):
             LlamaForCausalLM(model.config, bits)
+    # Packed in bfloat16, one product's parts must agree: joined, bits would read as integers.
+    mixed = dict(weights, **{"layers.0.wq": bfloat16_bits(weights["layers.0.wq"])})
+    with pytest.raises(ValueError, match=r"all as bfloat16 bits or all as floats, got dtypes"):
+        LlamaForCausalLM(replace(model.config, weight_format="bfloat16"), mixed)

@@ -188,11 +188,11 @@ def _bfloat16_matrix(bits: np.ndarray, transpose: bool) -> np.ndarray:
 
 def load_weights(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
     """The model's arrays by its parameter names, in ``config.dtype``, matrices [in, out].
-    For a model packed in bfloat16 or int8, matrices the checkpoint stores in bfloat16 stay
-    its bits (``_bfloat16_matrix``), which the packers read: a float32 copy was most of such
-    a load."""
+    For a model packed in bfloat16 or int8 from a checkpoint stored in bfloat16 alone, the
+    matrices stay its bits (``_bfloat16_matrix``), which the packers read: a float32 copy
+    was most of such a load."""
     names = _hf_to_model_names(config)
-    keep_bits = config.weight_format in ("bfloat16", "int8")
+    keep_bits = config.weight_format in ("bfloat16", "int8") and stored_dtypes(path) == {"BF16"}
     weights: dict[str, np.ndarray] = {}
     unexpected = []
     for file in _weight_files(path):

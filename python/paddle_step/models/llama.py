@@ -113,9 +113,15 @@ def _packed_product(weight_format: str, *arrays: np.ndarray) -> DenseWeight:
     """The product of ``arrays`` [in, out_i] side by side, packed in ``weight_format`` with
     no other copy kept. bfloat16 bits are packed from the [out, in] order a checkpoint stores
     them in (the arrays are then views of it): joined by rows, not widened or transposed."""
-    if all(array.dtype == BFLOAT16_BITS for array in arrays):
+    bits = [array.dtype == BFLOAT16_BITS for array in arrays]
+    if all(bits):
         stored = np.concatenate([array.T for array in arrays]) if len(arrays) > 1 else arrays[0].T
         return DenseWeight.packed_only(stored, weight_format, transposed=True)
+    if any(bits):  # joined, the bits would be cast as integers
+        raise ValueError(
+            "expected the parts of one product all as bfloat16 bits or all as floats, got "
+            f"dtypes {[str(array.dtype) for array in arrays]}"
+        )
     joined = np.concatenate(arrays, axis=1) if len(arrays) > 1 else arrays[0]
     return DenseWeight.packed_only(joined.astype(np.float32, copy=False), weight_format)
 
