@@ -134,6 +134,18 @@ cpu::SourceMatrix<T> SourceOf(const paddle::Tensor& w, const T* data,
   return cpu::SourceMatrix<T>{data, k, n, transposed};
 }
 
+// pack(source) with w's elements as they are: float32, or bfloat16 bits.
+template <typename Pack>
+void WithSourceOf(const paddle::Tensor& w, bool transposed, const Pack& pack) {
+  if (w.dtype() == paddle::DataType::FLOAT32) {
+    pack(SourceOf(w, w.data<float>(), transposed));
+  } else {
+    const auto* bits =
+        reinterpret_cast<const uint16_t*>(w.data<phi::dtype::bfloat16>());
+    pack(SourceOf(w, bits, transposed));
+  }
+}
+
 // body(begin, end) over ranges of `panels` panels on the pool (products, and
 // packing: it writes memory the process touches for the first time, whose
 // page faults take most of its time, and they scale with the threads).
@@ -173,14 +185,9 @@ paddle::Tensor CpuLinearPackBFloat16(const paddle::Tensor& w, bool transposed) {
       paddle::DataType::BFLOAT16, paddle::CPUPlace());
   auto* out = reinterpret_cast<uint16_t*>(packed.data<phi::dtype::bfloat16>());
   ForPanelRanges(panels, [&](int64_t begin, int64_t end) {
-    if (w.dtype() == paddle::DataType::FLOAT32) {
-      cpu::PackBFloat16(SourceOf(w, w.data<float>(), transposed), out, begin,
-                        end);
-    } else {
-      const auto* bits =
-          reinterpret_cast<const uint16_t*>(w.data<phi::dtype::bfloat16>());
-      cpu::PackBFloat16(SourceOf(w, bits, transposed), out, begin, end);
-    }
+    WithSourceOf(w, transposed, [&](const auto& source) {
+      cpu::PackBFloat16(source, out, begin, end);
+    });
   });
   return packed;
 }
@@ -198,15 +205,10 @@ std::vector<paddle::Tensor> CpuLinearPackInt8(const paddle::Tensor& w,
       {panels, cpu::GroupCount(k, group_size), cpu::kPanelWidth},
       paddle::DataType::FLOAT32, paddle::CPUPlace());
   ForPanelRanges(panels, [&](int64_t begin, int64_t end) {
-    if (w.dtype() == paddle::DataType::FLOAT32) {
-      cpu::PackInt8(SourceOf(w, w.data<float>(), transposed), group_size,
-                    packed.data<int8_t>(), scales.data<float>(), begin, end);
-    } else {
-      const auto* bits =
-          reinterpret_cast<const uint16_t*>(w.data<phi::dtype::bfloat16>());
-      cpu::PackInt8(SourceOf(w, bits, transposed), group_size,
-                    packed.data<int8_t>(), scales.data<float>(), begin, end);
-    }
+    WithSourceOf(w, transposed, [&](const auto& source) {
+      cpu::PackInt8(source, group_size, packed.data<int8_t>(),
+                    scales.data<float>(), begin, end);
+    });
   });
   return {packed, scales};
 }
