@@ -89,16 +89,19 @@ def test_bfloat16_checkpoint_stays_bfloat16_bit_for_bit(bf16_checkpoint) -> None
     np.testing.assert_array_equal(cpu_linear.columns(packed, every_id).numpy(), full.embed.numpy())
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["bf16", "mixed"])
 @pytest.mark.parametrize("weight_format", FORMATS)
 @pytest.mark.parametrize("name", MODELS)
 def test_bfloat16_checkpoint_packs_its_bits_as_the_widened_values_would(
-    name, weight_format, tmp_path
+    name, weight_format, mixed, tmp_path
 ) -> None:
     """A bfloat16 checkpoint's matrices are packed (or quantized) from its bits, in the
     file's [out, in] order (no float32 copy): every product's panels equal those packed from
     the float32 model of the same file, fused q/k/v and gate/up included; norms and biases
-    widened."""
-    path = write_bfloat16_copy(DATA / name, tmp_path / name)
+    widened. A checkpoint that stores one matrix in float32 takes the float path, with the
+    same panels."""
+    float32 = {"model.layers.0.self_attn.k_proj.weight"} if mixed else set()
+    path = write_bfloat16_copy(DATA / name, tmp_path / name, keep_float32=float32)
     model = load(path, weight_format).model
     full = load_checkpoint(path, dtype="float32").model
     assert model.config.weight_format == weight_format

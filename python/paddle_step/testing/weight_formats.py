@@ -4,6 +4,7 @@ copy of a float checkpoint, for the tests of bfloat16 and int8 weights."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -40,21 +41,26 @@ def int8_values(w: np.ndarray, group_size: int | None = None) -> np.ndarray:
     return out
 
 
-def write_bfloat16_copy(source: Path, target: Path) -> Path:
+def write_bfloat16_copy(source: Path, target: Path, keep_float32: Collection[str] = ()) -> Path:
     """``source``'s checkpoint directory copied to ``target`` with its weights rounded to
-    bfloat16 and stored as BF16 (as published checkpoints are)."""
+    bfloat16 and stored as BF16 (as published checkpoints are), but for the tensors named
+    in ``keep_float32``: stored as F32, with the same rounded values (a mixed checkpoint)."""
     shutil.copytree(source, target)
     for golden in target.glob("golden_*"):
         golden.unlink()
     weights_file = target / "model.safetensors"
-    bits = {
-        k: np.ascontiguousarray(bfloat16_bits(v)) for k, v in read_safetensors(weights_file).items()
-    }
+    stored = {}
+    for name, values in read_safetensors(weights_file).items():
+        rounded = bfloat16_bits(values)
+        if name in keep_float32:
+            stored[name] = ("float32", (rounded.astype(np.uint32) << 16).view(np.float32))
+        else:
+            stored[name] = ("bfloat16", np.ascontiguousarray(rounded))
     specs = {
-        k: safetensors.TensorSpec(
-            dtype="bfloat16", shape=list(v.shape), data_ptr=v.ctypes.data, data_len=v.nbytes
+        name: safetensors.TensorSpec(
+            dtype=dtype, shape=list(v.shape), data_ptr=v.ctypes.data, data_len=v.nbytes
         )
-        for k, v in bits.items()
+        for name, (dtype, v) in stored.items()
     }
     safetensors.serialize_file(specs, str(weights_file))
     return target
