@@ -51,11 +51,10 @@ def write_bfloat16_copy(source: Path, target: Path, keep_float32: Collection[str
     weights_file = target / "model.safetensors"
     stored = {}
     for name, values in read_safetensors(weights_file).items():
-        rounded = bfloat16_bits(values)
         if name in keep_float32:
-            stored[name] = ("float32", (rounded.astype(np.uint32) << 16).view(np.float32))
+            stored[name] = ("float32", bfloat16_values(values))
         else:
-            stored[name] = ("bfloat16", np.ascontiguousarray(rounded))
+            stored[name] = ("bfloat16", np.ascontiguousarray(bfloat16_bits(values)))
     specs = {
         name: safetensors.TensorSpec(
             dtype=dtype, shape=list(v.shape), data_ptr=v.ctypes.data, data_len=v.nbytes

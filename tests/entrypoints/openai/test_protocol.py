@@ -286,6 +286,14 @@ def test_chat_fields_that_ask_for_tools_storage_or_audio_fail_validation_by_name
     assert {e["loc"][0] for e in error.value.errors()} == set(fields)
 
 
+@pytest.mark.parametrize("store,got", [(True, "true"), (0, "0"), ("false", '"false"')])
+def test_store_other_than_false_says_nothing_is_stored(store, got):
+    with pytest.raises(ValidationError) as error:
+        chat(store=store)
+    [first] = error.value.errors()
+    assert first["msg"] == f"this server stores no completions: expected false or null, got {got}"
+
+
 def test_a_tool_choice_that_asks_for_a_call_says_tools_are_not_supported():
     with pytest.raises(ValidationError) as error:
         chat(tool_choice={"type": "function", "function": {"name": "f"}})

@@ -496,6 +496,16 @@ def _no_tool_call(value):
 NoToolCall = Annotated[Literal["none", "auto"] | None, BeforeValidator(_no_tool_call)]
 
 
+def _not_stored(value):
+    if value is None or value is False:  # not 0, which equals False
+        return value
+    raise PydanticCustomError(
+        "store",
+        "this server stores no completions: expected false or null, got {got}",
+        {"got": json.dumps(value)},
+    )
+
+
 class ChatCompletionRequest(_RequestFields):
     """``POST /v1/chat/completions``: messages rendered by the checkpoint's chat template."""
 
@@ -512,7 +522,7 @@ class ChatCompletionRequest(_RequestFields):
     function_call: NoToolCall = None
     parallel_tool_calls: StrictBool | None = None
     # Accepted where they ask for what the server does anyway: store nothing, output text.
-    store: Literal[False] | None = None
+    store: Annotated[Literal[False] | None, BeforeValidator(_not_stored)] = None
     modalities: Annotated[list[Literal["text"]], Field(min_length=1, max_length=1)] | None = None
 
     def check(self, vocab_size: int) -> None:
