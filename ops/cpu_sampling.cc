@@ -85,6 +85,21 @@ void ReadLogits(const InputChecker& check, const paddle::Tensor& logits,
 // body(begin, end, scratch) over ranges of b's rows on the CPU kernels' pool,
 // as the products run: tasks are claimed one at a time, so a worker that
 // starts late leaves its rows to the others; `scratch` is the thread's own.
+// Appends the logprob outputs of `rows` rows to `outputs` (the chosen token's
+// logprob [rows], the top `top` ids and logprobs [rows, top]) and points `b`
+// at them.
+void AddLogprobOutputs(int64_t rows, int64_t top, cpu::SamplingBatch* b,
+                       std::vector<paddle::Tensor>* outputs) {
+  const paddle::Place cpu = paddle::CPUPlace();
+  auto chosen = paddle::empty({rows}, paddle::DataType::FLOAT32, cpu);
+  auto ids = paddle::empty({rows, top}, paddle::DataType::INT64, cpu);
+  auto values = paddle::empty({rows, top}, paddle::DataType::FLOAT32, cpu);
+  b->chosen_logprobs = chosen.data<float>();
+  b->top_ids = ids.data<int64_t>();
+  b->top_values = values.data<float>();
+  outputs->insert(outputs->end(), {chosen, ids, values});
+}
+
 template <typename Body>
 void ForRowRanges(const cpu::SamplingBatch& b, const Body& body) {
   cpu::ThreadPool& pool = CpuThreadPool();
@@ -187,16 +202,7 @@ std::vector<paddle::Tensor> CpuSample(
   std::vector<paddle::Tensor> outputs;
   outputs.push_back(paddle::empty({rows}, DataType::INT64, cpu));
   b.tokens = outputs[0].data<int64_t>();
-  if (top_logprobs >= 0) {
-    outputs.push_back(paddle::empty({rows}, DataType::FLOAT32, cpu));
-    outputs.push_back(
-        paddle::empty({rows, top_logprobs}, DataType::INT64, cpu));
-    outputs.push_back(
-        paddle::empty({rows, top_logprobs}, DataType::FLOAT32, cpu));
-    b.chosen_logprobs = outputs[1].data<float>();
-    b.top_ids = outputs[2].data<int64_t>();
-    b.top_values = outputs[3].data<float>();
-  }
+  if (top_logprobs >= 0) AddLogprobOutputs(rows, top_logprobs, &b, &outputs);
   if (rows == 0) return outputs;
 
   const cpu::Isa isa = CpuActiveIsa();
@@ -234,16 +240,10 @@ std::vector<paddle::Tensor> CpuTokenLogprobs(const paddle::Tensor& logits,
   }
   b.top_logprobs = top_logprobs;
 
-  const paddle::Place cpu = paddle::CPUPlace();
-  std::vector<paddle::Tensor> outputs{
-      paddle::empty({rows}, DataType::FLOAT32, cpu),
-      paddle::empty({rows, top_logprobs}, DataType::INT64, cpu),
-      paddle::empty({rows, top_logprobs}, DataType::FLOAT32, cpu),
-      paddle::empty({rows}, DataType::INT64, cpu)};
-  b.chosen_logprobs = outputs[0].data<float>();
-  b.top_ids = outputs[1].data<int64_t>();
-  b.top_values = outputs[2].data<float>();
-  b.ranks = outputs[3].data<int64_t>();
+  std::vector<paddle::Tensor> outputs;
+  AddLogprobOutputs(rows, top_logprobs, &b, &outputs);
+  outputs.push_back(paddle::empty({rows}, DataType::INT64, paddle::CPUPlace()));
+  b.ranks = outputs.back().data<int64_t>();
   if (rows == 0) return outputs;
 
   const cpu::Isa isa = CpuActiveIsa();

@@ -203,6 +203,18 @@ def reference_logprobs(logits: np.ndarray, tokens: np.ndarray, top: int):
     return logprobs[np.arange(len(x)), tokens], ids, np.take_along_axis(logprobs, ids, 1)
 
 
+def assert_reference_logprobs(logits, tokens, top, chosen, ids, values) -> None:
+    """The op's chosen logprobs, and its top ``top`` ids and values (None for top 0), equal
+    ``reference_logprobs``' within float32 rounding."""
+    ref_chosen, ref_ids, ref_values = reference_logprobs(logits, tokens, top)
+    np.testing.assert_allclose(chosen.numpy(), ref_chosen, rtol=2e-6, atol=2e-6)
+    if top == 0:
+        assert ids is None and values is None
+        return
+    np.testing.assert_array_equal(ids.numpy(), ref_ids)
+    np.testing.assert_allclose(values.numpy(), ref_values, rtol=2e-6, atol=2e-6)
+
+
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("control", (*CONTROLS, "none", "all"))
 def test_each_control_equals_the_reference_and_the_paddle_path(float_isa_path, vocab, control):
@@ -260,15 +272,9 @@ def test_logprobs_are_the_raw_log_softmax(float_isa_path, vocab, top):
     batch = Batch(rows=9, vocab=vocab, uses=set(CONTROLS), seed=vocab + top)
     batch.logits[0, :3] = batch.logits[0].max()  # ties among the most likely
     tokens, (chosen, ids, values) = batch.op(logprobs_top=top)
-    ref_chosen, ref_ids, ref_values = reference_logprobs(batch.logits, tokens, top)
-    np.testing.assert_allclose(chosen.numpy(), ref_chosen, rtol=2e-6, atol=2e-6)
+    assert_reference_logprobs(batch.logits, tokens, top, chosen, ids, values)
     paddle_chosen = token_logprobs(paddle.to_tensor(batch.logits), paddle.to_tensor(tokens), 1)[0]
     np.testing.assert_allclose(chosen.numpy(), paddle_chosen.numpy(), rtol=2e-6, atol=2e-6)
-    if top == 0:
-        assert ids is None and values is None
-        return
-    np.testing.assert_array_equal(ids.numpy(), ref_ids)
-    np.testing.assert_allclose(values.numpy(), ref_values, rtol=2e-6, atol=2e-6)
 
 
 def test_logprobs_equal_the_paddle_path_and_sampling_is_unchanged_by_them():
@@ -369,17 +375,11 @@ def test_prompt_logprobs_and_ranks_equal_the_references(float_isa_path, vocab, t
     chosen, ids, values, ranks = cpu_sampling.token_logprobs_and_ranks(
         paddle.to_tensor(logits), paddle.to_tensor(tokens), top
     )
-    ref_chosen, ref_ids, ref_values = reference_logprobs(logits, tokens, top)
-    np.testing.assert_allclose(chosen.numpy(), ref_chosen, rtol=2e-6, atol=2e-6)
+    assert_reference_logprobs(logits, tokens, top, chosen, ids, values)
     own = logits[np.arange(rows), tokens]
     np.testing.assert_array_equal(ranks.numpy(), (logits >= own[:, None]).sum(axis=1))
     paddle_path = token_logprobs_and_ranks(paddle.to_tensor(logits), paddle.to_tensor(tokens), top)
     np.testing.assert_array_equal(ranks.numpy(), paddle_path[3].numpy())
-    if top == 0:
-        assert ids is None and values is None
-        return
-    np.testing.assert_array_equal(ids.numpy(), ref_ids)
-    np.testing.assert_allclose(values.numpy(), ref_values, rtol=2e-6, atol=2e-6)
 
 
 def test_prompt_logprobs_name_a_bad_argument():
