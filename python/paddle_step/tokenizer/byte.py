@@ -37,6 +37,7 @@ class ByteTokenizer:
         data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
         return data.decode("utf-8", errors="replace")
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Raises ``ValueError``: the byte tokenizer has no chat template."""
+    def encode_chat(self, messages: list[dict], options: object = None) -> list[int]:
+        """Raises ``ValueError``: the byte tokenizer has no chat template (``options``, a
+        ``ChatTemplateOptions``, exists for ``HFTokenizer``'s signature)."""
         raise ValueError("this model's tokenizer has no chat template (byte tokenizer)")

@@ -8,11 +8,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.sandbox
 from tokenizers import Tokenizer
 
 from ..errors import CheckpointError
+from .chat_template import ChatTemplateOptions, render_chat
 from .detokenizer import IncrementalDetokenizer
 
 __all__ = ["HFTokenizer", "IncrementalDetokenizer"]
@@ -23,10 +22,6 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, Mapping):
         return value.get("content")
     return value
-
-
-def _raise_template_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
 
 
 class HFTokenizer:
@@ -104,31 +99,24 @@ class HFTokenizer:
         return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        options: ChatTemplateOptions | None = None,
     ) -> str:
-        """``messages`` ([{"role": .., "content": ..}, ..]) rendered with the chat template."""
+        """``messages`` ([{"role": .., "content": ..}, ..]) rendered with the chat template
+        (``options``: none given, it ends with the generation prompt)."""
         if self.chat_template is None:
             raise CheckpointError(
                 "chat template: the checkpoint has none (no 'chat_template' in "
                 "tokenizer_config.json and no chat_template.jinja)"
             )
-        # As transformers renders it: a sandbox, block tags trimmed, raise_exception().
-        environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True
-        )
-        environment.globals["raise_exception"] = _raise_template_exception
-        template = environment.from_string(self.chat_template)
-        return template.render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        return render_chat(self.chat_template, messages, options or ChatTemplateOptions(),
+                           self.bos_token or "", self.eos_token or "")  # fmt: skip
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, Any]], options: ChatTemplateOptions | None = None
     ) -> list[int]:
         """Prompt ids of a chat. The template writes its own special tokens (e.g. BOS), so
         none are added on top, as ``transformers``' ``apply_chat_template`` does."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, options)
         return self.encode(text, add_special_tokens=False)

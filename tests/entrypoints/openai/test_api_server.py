@@ -21,9 +21,12 @@ from paddle_step.engine.arg_utils import build_engine
 from paddle_step.entrypoints.openai import cli as serve
 from paddle_step.sampling_params import SamplingParams
 from paddle_step.testing.server_process import metric, serve_in_thread, server_process
+from paddle_step.tokenizer.chat_template import ChatTemplateOptions
 
 GOLDEN_LLAMA = Path(__file__).resolve().parents[2] / "data" / "hf-tiny" / "llama-tiny"
+# ``greeting``: a variable of the template's own, as ``chat_template_kwargs`` sets it.
 CHAT_TEMPLATE = (
+    "{% if greeting is defined %}{{ greeting }}\n{% endif %}"
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
@@ -92,6 +95,7 @@ def offline(checkpoint):
         return cache[key]
 
     text_of.tokenizer = tokenizer
+    text_of.engine = engine
     return text_of
 
 
@@ -189,6 +193,107 @@ def test_stop_string_and_seeded_sampling(served, offline):
         for _ in range(2)
     ]
     assert sampled[0] == sampled[1]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_kept_stop_string_ends_the_text(served, offline, stream):
+    base_url, _loop = served
+    full, _reason, _count = offline(offline.tokenizer.encode(PROMPTS[0]), 20)
+    stop = full[5:8]
+    text, finish, _usage = complete(client(base_url), stream, prompt=PROMPTS[0], max_tokens=20,
+                                    temperature=0, stop=[stop],
+                                    extra_body={"include_stop_str_in_output": True})  # fmt: skip
+    assert (text, finish) == (full[: full.index(stop) + len(stop)], "stop")
+
+
+def test_a_stop_token_adds_its_text_only_where_kept(served, offline):
+    """As in vLLM: the token of ``stop_token_ids`` (or the eos) that ends a choice is
+    generated and counted, but its text is left out unless ``include_stop_str_in_output``."""
+    base_url, _loop = served
+    prompt_ids = offline.tokenizer.encode(PROMPTS[2])
+    [result] = offline.engine.generate([prompt_ids], SamplingParams(max_tokens=12))
+    stop_token = result.token_ids[3]
+    ends_at = result.token_ids.index(stop_token)
+    before = offline.tokenizer.decode(result.token_ids[:ends_at], skip_special_tokens=True)
+    with_it = offline.tokenizer.decode(result.token_ids[: ends_at + 1], skip_special_tokens=True)
+    assert with_it != before  # the token has text of its own
+    for stream in (False, True):
+        for kept, expected in ((False, before), (True, with_it)):
+            extra = {"stop_token_ids": [stop_token], "include_stop_str_in_output": kept}
+            text, finish, usage = complete(client(base_url), stream, prompt=PROMPTS[2],
+                                           max_tokens=12, temperature=0,
+                                           extra_body=extra)  # fmt: skip
+            assert (text, finish, usage.completion_tokens) == (expected, "stop", ends_at + 1)
+
+
+def test_special_tokens_show_where_not_skipped(served, offline):
+    base_url, _loop = served
+    eos = offline.tokenizer.eos_id
+    request = {"prompt": PROMPTS[1], "max_tokens": 3, "temperature": 0}
+    forced = {"ignore_eos": True, "logit_bias": {str(eos): 100}}  # eos, eos, eos
+    api = client(base_url)
+    shown = api.completions.create(model="llama-tiny", **request,
+                                   extra_body={**forced, "skip_special_tokens": False})  # fmt: skip
+    expected = offline.tokenizer.decode([eos] * 3, skip_special_tokens=False)
+    assert shown.choices[0].text == expected and expected
+    skipped = api.completions.create(model="llama-tiny", **request, extra_body=forced)
+    assert skipped.choices[0].text == ""
+
+
+@pytest.mark.parametrize("keep", [1, 3])
+def test_truncate_prompt_tokens_keeps_the_last_ones(served, offline, keep):
+    base_url, _loop = served
+    api = client(base_url)
+    prompt_ids = offline.tokenizer.encode(PROMPTS[6])
+    expected, reason, _count = offline(prompt_ids[-keep:], 8)
+    response = api.completions.create(model="llama-tiny", prompt=PROMPTS[6], max_tokens=8,
+                                      temperature=0, echo=True,
+                                      extra_body={"truncate_prompt_tokens": keep})  # fmt: skip
+    echoed = offline.tokenizer.decode(prompt_ids[-keep:])
+    assert response.choices[0].text == echoed + expected
+    assert response.usage.prompt_tokens == keep
+    messages = [{"role": "user", "content": "Hello, who are you?"}]
+    chat_ids = offline.tokenizer.encode_chat(messages)
+    expected, reason, _count = offline(chat_ids[-keep:], 8)
+    chat = api.chat.completions.create(model="llama-tiny", messages=messages, max_tokens=8,
+                                       temperature=0,
+                                       extra_body={"truncate_prompt_tokens": keep})  # fmt: skip
+    assert (chat.choices[0].message.content, chat.usage.prompt_tokens) == (expected, keep)
+
+
+CONTINUED = [
+    {"role": "user", "content": "Hello, who are you?"},
+    {"role": "assistant", "content": "I am"},
+]
+
+
+@pytest.mark.parametrize(
+    "fields, options",
+    [
+        ({"add_generation_prompt": False}, ChatTemplateOptions(add_generation_prompt=False)),
+        (
+            {"add_generation_prompt": False, "continue_final_message": True},
+            ChatTemplateOptions(add_generation_prompt=False, continue_final_message=True),
+        ),
+        (
+            {"chat_template_kwargs": {"greeting": "Hi!"}},
+            ChatTemplateOptions(extra={"greeting": "Hi!"}),
+        ),
+    ],
+)
+def test_chat_template_fields_render_as_offline(served, offline, fields, options):
+    base_url, _loop = served
+    prompt_ids = offline.tokenizer.encode_chat(CONTINUED, options)
+    assert prompt_ids != offline.tokenizer.encode_chat(CONTINUED)  # the fields change it
+    expected, reason, _count = offline(prompt_ids, 8)
+    response = client(base_url).chat.completions.create(
+        model="llama-tiny", messages=CONTINUED, max_tokens=8, temperature=0, extra_body=fields
+    )
+    assert response.usage.prompt_tokens == len(prompt_ids)
+    assert (response.choices[0].message.content, response.choices[0].finish_reason) == (
+        expected,
+        reason,
+    )
 
 
 BAD_REQUESTS = [

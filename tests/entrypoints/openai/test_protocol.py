@@ -146,6 +146,7 @@ BAD_COMPLETIONS = [
     ({"n": 257}, "n"),
     ({"best_of": 257}, "best_of"),
     ({"min_tokens": 2, "response_format": {"type": "json_object"}}, "min_tokens"),
+    ({"truncate_prompt_tokens": -1}, "truncate_prompt_tokens"),
 ]
 
 
@@ -251,6 +252,10 @@ BAD_CHATS = [
     ({"max_tokens": 0}, "max_tokens"),  # the field the client sent, not its other name
     ({"max_completion_tokens": 3, "min_tokens": 4}, "min_tokens"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"continue_final_message": True}, "continue_final_message"),  # with the generation cue
+    ({"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
 ]
 
 

@@ -9,7 +9,7 @@ import json
 import time
 
 from paddle_step.entrypoints.openai.api_server import _CompletionFormat, _relay, _Run, _sse
-from paddle_step.entrypoints.openai.text_stream import StopStrings
+from paddle_step.entrypoints.openai.text_stream import StopStrings, TextOptions
 from paddle_step.sampling_params import SamplingParams
 from paddle_step.tokenizer.byte import ByteTokenizer
 
@@ -29,7 +29,7 @@ class RecordingLoop:
 def started_run(params: SamplingParams, stops: list[str]) -> tuple[_Run, asyncio.Queue]:
     events: asyncio.Queue = asyncio.Queue()
     run = _Run(0, [A], params, None)
-    run.start(ByteTokenizer(), stops, events)
+    run.start(ByteTokenizer(), TextOptions(StopStrings(stops)), events)
     return run, events
 
 
@@ -133,5 +133,5 @@ def test_the_choices_of_a_request_share_its_stop_string_tables():
     64 choices each building their own held the event loop for seconds."""
     stops = StopStrings(["ab" * 500, "ba" * 500])
     run, _events = started_run(SamplingParams(max_tokens=4, n=3, seed=0), [])
-    run.start(ByteTokenizer(), stops, asyncio.Queue())
+    run.start(ByteTokenizer(), TextOptions(stops), asyncio.Queue())
     assert all(choice.text._fallbacks is stops.fallbacks for choice in run.samples.values())

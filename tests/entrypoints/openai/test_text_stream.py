@@ -1,6 +1,6 @@
 """TextStream: final text only, multi-byte characters whole, stop strings honoured."""
 
-from paddle_step.entrypoints.openai.text_stream import TextStream
+from paddle_step.entrypoints.openai.text_stream import StopStrings, TextStream
 from paddle_step.tokenizer.byte import ByteTokenizer
 from paddle_step.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -26,6 +26,21 @@ def test_stop_string_ends_text_before_it():
     assert "".join(deltas) + stream.finish() == "abc"
     assert stream.stopped
     assert stream.num_tokens == 6  # tokens after the stop are not taken
+
+
+def test_a_kept_stop_string_ends_the_text_after_it():
+    stream = byte_stream(StopStrings(["END", "cE"], included=True))
+    deltas = feed(stream, "abcENDxyz")
+    assert "".join(deltas) + stream.finish() == "abcE"  # "cE" completes first
+    assert stream.stopped and stream.num_tokens == 4
+
+
+def test_a_stop_token_adds_text_only_where_stops_are_kept():
+    for included, expected in ((False, "ab"), (True, "abc")):
+        stream = byte_stream(StopStrings([], included))
+        deltas = [stream.add(ord("a")), stream.add(ord("b")), stream.add(ord("c"), stop_token=True)]
+        assert "".join(deltas) + stream.finish() == expected
+        assert stream.num_tokens == 3  # counted either way
 
 
 def test_possible_stop_prefix_is_held_then_released():

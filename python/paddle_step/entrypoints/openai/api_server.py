@@ -30,6 +30,7 @@ from ...engine.core_client import (
     RequestError,
     RequestHandle,
 )
+from ...engine.outputs import FINISH_EOS, FINISH_STOP
 from ...sampling_params import SamplingParams
 from ...tokenizer.detokenizer import IncrementalDetokenizer
 from .guard import RequestGuard
@@ -37,7 +38,7 @@ from .logprobs import LogprobFormatter
 from .metrics import metrics_registry
 from .openapi import install_openapi
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, whole_body_refusal
-from .text_stream import StopStrings, TextStream
+from .text_stream import StopStrings, TextOptions, TextStream
 
 __all__ = ["create_app"]
 
@@ -248,7 +249,7 @@ def create_app(
             if isinstance(prompt, str):
                 check_prompt_size(len(prompt.encode()), "prompt")
         prompt_ids_list = [
-            list(prompt) if isinstance(prompt, list) else tokenizer.encode(prompt)
+            body.truncated(list(prompt) if isinstance(prompt, list) else tokenizer.encode(prompt))
             for prompt in prompts
         ]
         runs: list[_Run] = []
@@ -260,8 +261,9 @@ def create_app(
             )
             params = body.sampling_params(max_tokens, vocab_size, new_constraint())
             echo = None
-            if body.echo:
-                echo = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
+            if body.echo:  # the prompt as the model saw it (truncate_prompt_tokens)
+                whole = isinstance(prompt, str) and body.truncate_prompt_tokens is None
+                echo = prompt if whole else tokenizer.decode(prompt_ids)
             runs.append(_Run(index, prompt_ids, params, echo))
         fmt = _CompletionFormat(model_name, formatter, body.logprobs, body.prompt_logprobs)
         return await respond(request, body, runs, fmt)
@@ -273,7 +275,7 @@ def create_app(
         messages = [message.for_template() for message in body.messages]
         check_prompt_size(sum(len(m["content"].encode()) for m in messages), "messages")
         try:
-            prompt_ids = tokenizer.encode_chat(messages)
+            prompt_ids = body.truncated(tokenizer.encode_chat(messages, body.template_options()))
         except (ValueError, TemplateError) as error:
             raise ApiError(f"'messages': {error}", param="messages") from None
         check_model_and_prompt(body, prompt_ids)
@@ -285,9 +287,13 @@ def create_app(
 
     async def respond(request: Request, body, runs: list[_Run], fmt: _Format) -> Response:
         events: asyncio.Queue = asyncio.Queue()
-        stops = StopStrings(body.stop_strings())  # shared by every choice of the request
+        # Shared by every choice of the request.
+        text_options = TextOptions(
+            StopStrings(body.stop_strings(), body.include_stop_str_in_output),
+            body.skip_special_tokens,
+        )
         for run in runs:
-            run.start(tokenizer, stops, events)
+            run.start(tokenizer, text_options, events)
         handles = [run.handle for run in runs if run.handle is not None]
         sequences = sum(handle.num_sequences for handle in handles)
         if sequences > max_in_flight:  # would never fit: retrying cannot help
@@ -334,11 +340,13 @@ def create_app(
 class _Choice:
     """One sample of a run as the client sees it: its text so far, tokens, logprobs."""
 
-    def __init__(self, run: _Run, sample: int, tokenizer, stops: StopStrings | list[str]) -> None:
+    def __init__(self, run: _Run, sample: int, tokenizer, options: TextOptions) -> None:
         self.run = run
         self.sample = sample
-        detokenizer = IncrementalDetokenizer(tokenizer, run.prompt_ids, skip_special_tokens=True)
-        self.text = TextStream(detokenizer, stops)
+        detokenizer = IncrementalDetokenizer(
+            tokenizer, run.prompt_ids, skip_special_tokens=options.skip_special_tokens
+        )
+        self.text = TextStream(detokenizer, options.stops)
         self.pieces: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list = []  # (logprob, top, rank) per token, when asked
@@ -349,13 +357,17 @@ class _Choice:
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    def add(self, token_id: int, logprobs) -> str:
-        """The text ``token_id`` made final ('' when none)."""
+    def add(self, token_id: int, logprobs, finish_reason: str | None = None) -> str:
+        """The text ``token_id`` made final ('' when none); ``finish_reason``: the engine's,
+        where this token ended the sample."""
         self.token_ids.append(token_id)
         if logprobs is not None:
             self.logprobs.append(logprobs)
             self.unsent_logprobs += 1
-        delta = self.text.add(token_id)
+        stop_token = finish_reason == FINISH_EOS or (
+            finish_reason == FINISH_STOP and token_id in self.run.params.stop_token_ids
+        )
+        delta = self.text.add(token_id, stop_token)
         if self.text.stopped:  # a stop string ended this choice's text
             self.finish_reason = "stop"
         self.pieces.append(delta)
@@ -388,9 +400,9 @@ class _Run:
         self.error: ApiError | None = None
         self.finished = False
 
-    def start(self, tokenizer, stops: StopStrings | list[str], events: asyncio.Queue) -> None:
+    def start(self, tokenizer, options: TextOptions, events: asyncio.Queue) -> None:
         drawn = self.params.best_of or self.params.n
-        self.samples = {j: _Choice(self, j, tokenizer, stops) for j in range(drawn)}
+        self.samples = {j: _Choice(self, j, tokenizer, options) for j in range(drawn)}
         if self.params.max_tokens == 0 and self.params.prompt_logprobs is None:
             # Nothing for the engine to compute: the answer is the echoed prompt alone.
             for choice in self.samples.values():
@@ -451,7 +463,7 @@ async def _relay(
             choice = run.samples[sample]
             if choice.done:  # a stop string already ended it
                 continue
-            yield run, choice, choice.add(token_id, logprobs)
+            yield run, choice, choice.add(token_id, logprobs, finish_reason)
             if finish_reason is not None and not choice.done:  # its last token
                 yield run, choice, choice.finish(finish_reason)
             if all(choice.done for choice in run.samples.values()):

@@ -27,6 +27,7 @@ from pydantic_core import PydanticCustomError
 from ...engine.request import MAX_LOGIT_BIAS as MAX_LOGIT_BIAS_ENTRIES
 from ...engine.request import MAX_STOP_TOKEN_IDS
 from ...sampling_params import MAX_LOGPROBS, SamplingParams, TokenConstraint
+from ...tokenizer.chat_template import TEMPLATE_VARIABLES, ChatTemplateOptions
 
 __all__ = [
     "FLOAT32_LARGEST",
@@ -207,7 +208,7 @@ class ResponseFormat(_Strict):
 
 
 class _RequestFields(_Strict):
-    """Fields both endpoints share (OpenAI's, plus vLLM's sampling extensions)."""
+    """Fields both endpoints share (OpenAI's, plus vLLM's sampling and text extensions)."""
 
     model: StrictStr
     max_tokens: Integer | None = None
@@ -230,6 +231,11 @@ class _RequestFields(_Strict):
     response_format: ResponseFormat | None = None
     # An end-user id, for the operator's logs; as at OpenAI, it does not change the output.
     user: StrictStr | None = None
+    # vLLM's text extensions: the server turns tokens into text, so they stay here, not in
+    # SamplingParams.
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    truncate_prompt_tokens: Integer | None = None  # keep a prompt's last k tokens
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -289,11 +295,19 @@ class _RequestFields(_Strict):
                 f"schema is complete, got {self.min_tokens}",
                 param="min_tokens",
             )
+        _refuse_unless(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
+                       "truncate_prompt_tokens", "an integer >= 1 (the prompt tokens kept)",
+                       self.truncate_prompt_tokens)  # fmt: skip
         if self.stream_options is not None and not self.stream:
             raise ApiError(
                 "'stream_options': only allowed with 'stream': true, got stream false",
                 param="stream_options",
             )
+
+    def truncated(self, prompt_ids: list[int]) -> list[int]:
+        """``prompt_ids`` cut to their last ``truncate_prompt_tokens`` (vLLM's extension)."""
+        keep = self.truncate_prompt_tokens
+        return prompt_ids if keep is None else prompt_ids[-keep:]
 
     def token_bias(self, vocab_size: int) -> dict[int, float]:
         """``logit_bias`` with its keys (token ids as strings, as JSON has them) as ints."""
@@ -524,6 +538,15 @@ class ChatCompletionRequest(_RequestFields):
     # Accepted where they ask for what the server does anyway: store nothing, output text.
     store: Annotated[Literal[False] | None, BeforeValidator(_not_stored)] = None
     modalities: Annotated[list[Literal["text"]], Field(min_length=1, max_length=1)] | None = None
+    # vLLM's chat template extensions.
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_options(self) -> ChatTemplateOptions:
+        """How the chat template renders the messages."""
+        extra = dict(self.chat_template_kwargs or {})
+        return ChatTemplateOptions(self.add_generation_prompt, self.continue_final_message, extra)
 
     def check(self, vocab_size: int) -> None:
         self.check_common(vocab_size)
@@ -548,6 +571,32 @@ class ChatCompletionRequest(_RequestFields):
             _refuse_unless(0 <= self.top_logprobs <= MAX_LOGPROBS, "top_logprobs",
                            f"an integer in [0, {MAX_LOGPROBS}]", self.top_logprobs)  # fmt: skip
         _refuse_unless(self.n <= MAX_CHOICES, "n", f"an integer <= {MAX_CHOICES}", self.n)
+        self.check_template_fields()
+
+    def check_template_fields(self) -> None:
+        """The two ways to end the prompt exclude each other, a continued message must be
+        the assistant's, and the template's own variables cannot be overridden."""
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise ApiError(
+                    "'continue_final_message': true continues the last message, so it needs "
+                    "'add_generation_prompt': false, got both true",
+                    param="continue_final_message",
+                )
+            last = self.messages[-1].role
+            if last != "assistant":
+                raise ApiError(
+                    "'continue_final_message': expected the last message to be the "
+                    f"assistant's, to continue, got a last message of role '{last}'",
+                    param="continue_final_message",
+                )
+        reserved = sorted(set(self.chat_template_kwargs or {}) & set(TEMPLATE_VARIABLES))
+        if reserved:
+            raise ApiError(
+                f"'chat_template_kwargs': expected variables other than the template's own "
+                f"{list(TEMPLATE_VARIABLES)}, got {reserved}",
+                param="chat_template_kwargs",
+            )
 
     def token_limit(self) -> tuple[str, int | None]:
         """``max_completion_tokens``, or the deprecated ``max_tokens``."""

@@ -3,15 +3,15 @@
 The detokenizer (``paddle_step.tokenizer.detokenizer.IncrementalDetokenizer``) already
 holds back a character cut in the middle; on top of it, a tail that could still become a
 stop string waits until it cannot, and when a stop string appears the text ends just
-before it.
+before it (or just after it, where the request keeps it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
-__all__ = ["StopStrings", "TextStream"]
+__all__ = ["StopStrings", "TextOptions", "TextStream"]
 
 
 class Detokenizer(Protocol):
@@ -22,11 +22,21 @@ class Detokenizer(Protocol):
 
 class StopStrings:
     """A request's stop strings with their Knuth-Morris-Pratt tables, built once for all
-    its choices (900 strings of 1,000 characters take ~0.1 s)."""
+    its choices (900 strings of 1,000 characters take ~0.1 s). ``included``: the text keeps
+    the stop string it ends with (vLLM's ``include_stop_str_in_output``)."""
 
-    def __init__(self, stops: Sequence[str] = ()) -> None:
+    def __init__(self, stops: Sequence[str] = (), included: bool = False) -> None:
         self.strings = list(stops)
         self.fallbacks = [_prefix_function(stop) for stop in self.strings]
+        self.included = included
+
+
+class TextOptions(NamedTuple):
+    """How a request's choices turn tokens into text: its stop strings, and whether
+    special tokens (an end-of-turn marker, say) are left out."""
+
+    stops: StopStrings
+    skip_special_tokens: bool = True
 
 
 class TextStream:
@@ -36,6 +46,7 @@ class TextStream:
         self._detokenizer = detokenizer
         stops = stops if isinstance(stops, StopStrings) else StopStrings(stops)
         self._stops, self._fallbacks = stops.strings, stops.fallbacks
+        self._stop_included = stops.included
         # Per stop string: the longest prefix of it that the text ends with, kept up to
         # date a character at a time (Knuth-Morris-Pratt), so a token costs the length of
         # its text per stop string, not the stop strings' lengths squared.
@@ -45,11 +56,15 @@ class TextStream:
         self.num_tokens = 0
         self.stopped = False  # a stop string was found; the text is complete
 
-    def add(self, token_id: int) -> str:
-        """The text that became final with ``token_id`` ('' when none did)."""
+    def add(self, token_id: int, stop_token: bool = False) -> str:
+        """The text that became final with ``token_id`` ('' when none did). A
+        ``stop_token`` (an eos or stop token id that ended the choice) adds its own text
+        only where stop strings are kept, as in vLLM."""
         if self.stopped:
             return ""
         self.num_tokens += 1
+        if stop_token and not self._stop_included:
+            return ""
         piece = self._detokenizer.add(token_id)
         if not piece:
             return ""
@@ -58,7 +73,7 @@ class TextStream:
             # Only new text can complete a stop string: search from just before it.
             index = self._text.find(stop, max(0, self._emitted - len(stop) + 1))
             if index >= 0:
-                self._text = self._text[:index]
+                self._text = self._text[: index + len(stop) if self._stop_included else index]
                 self.stopped = True
                 return self._take(len(self._text))
         self._follow(piece)
