@@ -16,7 +16,13 @@ the top of its heap beyond 128 KiB; freed blocks below the top stay in the heap.
   mapped; the process then holds the high-water mark of its buffers. A later load still
   trims (``malloc_trim`` ignores the trim threshold).
 
-Where the C library is not glibc both do nothing. An allocator preloaded in malloc's place
+- A large buffer written as it is used (``untouched_zeros``, the CPU KV cache): taken
+  from calloc, which serves it by its own mmap, whose pages the kernel maps, zeroed, when
+  they are first written. Writing zeros up front (``paddle.zeros``) maps every page before
+  the first request: 0.8 to 2.9 s and 1.6 GB resident for the example's KV cache on
+  Qwen2.5-0.5B's shape.
+
+Where the C library is not glibc the first two do nothing. An allocator preloaded in malloc's place
 (tcmalloc, jemalloc) keeps freed memory by its own rules, which these calls do not touch.
 """
 
@@ -24,9 +30,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
+from collections.abc import Sequence
 
-__all__ = ["available_memory_bytes", "keep_freed_memory", "return_freed_memory"]
+import numpy as np
 
+__all__ = [
+    "available_memory_bytes",
+    "keep_freed_memory",
+    "return_freed_memory",
+    "untouched_zeros",
+]
+
+# A cache line: rows that start on one are read in the fewest lines.
+_ALIGNMENT = 64
 # mallopt's parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -74,3 +91,14 @@ def available_memory_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def untouched_zeros(shape: Sequence[int], dtype: np.dtype | str) -> np.ndarray:
+    """A C-ordered array of zeros of ``shape`` and ``dtype``, starting on a cache line,
+    whose pages nothing has written yet: they cost no time or resident memory until they
+    are first written."""
+    dtype = np.dtype(dtype)
+    size = math.prod(shape) * dtype.itemsize
+    raw = np.zeros(size + _ALIGNMENT, dtype=np.uint8)  # calloc: no zeros written
+    start = -raw.ctypes.data % _ALIGNMENT
+    return raw[start : start + size].view(dtype).reshape(shape)

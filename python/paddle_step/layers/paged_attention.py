@@ -12,7 +12,7 @@ import paddle
 
 import paddle_step_ops as _library
 
-from ..host_memory import available_memory_bytes
+from ..host_memory import available_memory_bytes, untouched_zeros
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
@@ -64,6 +64,16 @@ def _check_fits_in_memory(shape: list[int], dtype: str) -> None:
         )
 
 
+def _zeros(shape: list[int], dtype: str) -> paddle.Tensor:
+    """A zero cache tensor. On the CPU in float32 or float64, NumPy's ``untouched_zeros``
+    through DLPack, which Paddle 3 shares: a block's pages are mapped when a step first
+    writes it, so a large cache costs neither start-up time nor resident memory for blocks
+    not yet used (Paddle 2.6 copies them, which costs what ``paddle.zeros`` costs)."""
+    if paddle.get_device() == "cpu" and dtype in ("float32", "float64"):
+        return paddle.utils.dlpack.from_dlpack(untouched_zeros(shape, dtype).__dlpack__())
+    return paddle.zeros(shape, dtype=dtype)
+
+
 class PagedKVCache:
     """K and V of every layer, stored by slot (``slot = block_id * block_size + offset``).
 
@@ -102,8 +112,8 @@ class PagedKVCache:
         shape = [num_layers, num_blocks * block_size, num_kv_heads, head_dim]
         if paddle.get_device() == "cpu":
             _check_fits_in_memory(shape, dtype)
-        self.key = paddle.zeros(shape, dtype=dtype)
-        self.value = paddle.zeros(shape, dtype=dtype)
+        self.key = _zeros(shape, dtype)
+        self.value = _zeros(shape, dtype)
         self.uses_cpu_ops = self.key.place.is_cpu_place() and self.key.dtype in (
             paddle.float32,
             paddle.float64,
