@@ -119,17 +119,21 @@ def test_layers_fuse_where_both_blocks_run_the_op_or_where_timed_faster():
 
 @pytest.mark.parametrize("fused_faster", [True, False])
 @pytest.mark.parametrize("blocks_measured", [True, False])
-def test_fusion_keeps_the_faster_and_computes_it_last(fused_faster, blocks_measured):
-    blocks = LlamaForCausalLM(ModelConfig(seed=1)).blocks
+def test_fusion_times_the_first_layers_keeps_the_faster_and_runs_it_last(
+    fused_faster, blocks_measured
+):
+    model = LlamaForCausalLM(ModelConfig(seed=1, num_layers=17))
+    blocks = model.blocks
     if "op" not in blocks.output_and_mlp.methods:
         pytest.skip("this build has no CPU op")
-    fusion, calls = LayerFusion(blocks), []
+    fusion, calls = model.fusion, []
+    assert fusion.timed_layers == 17 // dense_blocks.FUSION_LAYERS_DIVISOR
     for block in blocks:
         block.choice.clear()
 
     def way(name: str, seconds: float):
-        def run():
-            calls.append(name)
+        def run(layers):
+            calls.append((name, layers))
             if name == "blocks":  # as the blocks' first call of a class would
                 for block in blocks:
                     block.choice.setdefault(padded_rows(5), "eager")
@@ -139,16 +143,15 @@ def test_fusion_keeps_the_faster_and_computes_it_last(fused_faster, blocks_measu
         return run
 
     if blocks_measured:
-        way("blocks", 0)()
+        way("blocks", 0)(None)
         calls.clear()
     fused = way("fused", 0.0 if fused_faster else 0.05)
     slow_blocks = way("blocks", 0.05 if fused_faster else 0.0)
     assert fusion.choose(5, slow_blocks, fused) == ("fused" if fused_faster else "blocks")
     assert fusion.choice == {padded_rows(5): fused_faster}
-    expected = ["blocks", "fused"] * dense_blocks.FUSION_ROUNDS + (
-        [] if fused_faster else ["blocks"]
-    )
-    assert calls == expected if blocks_measured else calls == ["blocks", *expected]
+    timed = [("blocks", fusion.timed_layers), ("fused", fusion.timed_layers)]
+    expected = timed * dense_blocks.FUSION_ROUNDS + [("fused" if fused_faster else "blocks", None)]
+    assert calls == expected if blocks_measured else calls == [("blocks", 1), *expected]
 
 
 def test_one_slow_run_does_not_decide_the_fusion():
@@ -157,15 +160,15 @@ def test_one_slow_run_does_not_decide_the_fusion():
     blocks = LlamaForCausalLM(ModelConfig(seed=1)).blocks
     if "op" not in blocks.output_and_mlp.methods:
         pytest.skip("this build has no CPU op")
-    fusion, delays = LayerFusion(blocks), [0.08, 0.0, 0.0]
+    fusion, delays = LayerFusion(blocks, num_layers=2), [0.08, 0.0, 0.0]
     for block in blocks:
         block.choice[padded_rows(6)] = "eager"
 
-    def fused():
+    def fused(_layers):
         time.sleep(delays.pop(0))
         return "fused"
 
-    def slow_blocks():
+    def slow_blocks(_layers):
         time.sleep(0.03)
         return "blocks"
 
@@ -177,16 +180,20 @@ def test_fusion_runs_fused_where_the_blocks_keep_our_op_on_their_first_call():
     blocks = LlamaForCausalLM(ModelConfig(seed=1)).blocks
     if "op" not in blocks.output_and_mlp.methods:
         pytest.skip("this build has no CPU op")
-    fusion, calls = LayerFusion(blocks), []
+    fusion, calls = LayerFusion(blocks, num_layers=2), []
 
-    def measured_blocks():
-        calls.append("blocks")
+    def measured_blocks(layers):
+        calls.append(("blocks", layers))
         for block in blocks:
             block.choice[padded_rows(7)] = "op"
         return "blocks"
 
-    assert fusion.choose(7, measured_blocks, lambda: calls.append("fused") or "fused") == "fused"
-    assert calls == ["blocks", "fused"] and not fusion.choice  # nothing timed
+    def fused(layers):
+        calls.append(("fused", layers))
+        return "fused"
+
+    assert fusion.choose(7, measured_blocks, fused) == "fused"
+    assert calls == [("blocks", 1), ("fused", None)] and not fusion.choice  # nothing timed
 
 
 def test_a_step_times_both_ways_once_where_the_blocks_keep_another(monkeypatch):

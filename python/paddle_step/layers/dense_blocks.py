@@ -62,8 +62,11 @@ OP_WAYS = ("op", "op_widened")
 # in turn, so that a burst of another job on a shared machine slows one round of all of
 # them rather than every call of one: the fastest of each way's calls counts.
 TIMED_CALLS = 3
-# Timed runs of each way of a step's layers (``LayerFusion.choose``), alternating.
+# Timed runs of each way of a step's layers (``LayerFusion.choose``), alternating, over the
+# first 1 / FUSION_LAYERS_DIVISOR of the layers (at least one): every layer has the same
+# shapes, so a few time both ways as the whole stack would, at a fraction of its cost.
 FUSION_ROUNDS = 2
+FUSION_LAYERS_DIVISOR = 8
 
 logger = logging.getLogger(__name__)
 
@@ -423,6 +426,10 @@ class DenseBlock:
         return outputs[method]
 
 
+# A step's first n layers run one way (None: all), returning the hidden states after them.
+RunLayers = Callable[[int | None], paddle.Tensor]
+
+
 class ModelBlocks(NamedTuple):
     """The three blocks of one model shape, shared by all its layers."""
 
@@ -453,11 +460,12 @@ class LayerFusion:
     keep a way of our op, the fused layer runs the same products with fewer crossings. Where
     they keep another (oneDNN's compiled program for long prompts, say), the fused layer's
     own products, threaded norms, rotary, SwiGLU and attention may still be faster: only
-    timing tells, so the first step of such a class runs both ways, once each, and the
-    faster is kept."""
+    timing tells, so the first step of such a class runs its first layers both ways (of
+    ``num_layers``, ``timed_layers``), and keeps the faster."""
 
-    def __init__(self, blocks: ModelBlocks) -> None:
+    def __init__(self, blocks: ModelBlocks, num_layers: int) -> None:
         self.blocks = blocks
+        self.timed_layers = max(1, num_layers // FUSION_LAYERS_DIVISOR)
         self.choice: dict[int, bool] = {}  # padded row count -> fused
 
     def fuse_layers(self, rows: int) -> bool | None:
@@ -482,34 +490,35 @@ class LayerFusion:
         where the blocks keep ``op_widened``, else "" (the process's path)."""
         return WIDENED_ISA if self.blocks.layer_way(rows) == "op_widened" else ""
 
-    def choose(
-        self, rows: int, blocks: Callable[[], paddle.Tensor], fused: Callable[[], paddle.Tensor]
-    ) -> paddle.Tensor:
-        """A step's hidden states over ``rows`` tokens where ``fuse_layers`` is None:
-        ``blocks()`` once more if the blocks have not measured the class yet (they time
-        their ways on that call) and ``fused()`` if they then keep our op; else both timed,
-        ``FUSION_ROUNDS`` times each, alternating (both write the same cache slots), the
-        faster (by its fastest run) kept for the class and its result returned, computed
-        last so that the cache holds its K/V."""
+    def choose(self, rows: int, blocks: RunLayers, fused: RunLayers) -> paddle.Tensor:
+        """A step's hidden states over ``rows`` tokens where ``fuse_layers`` is None.
+        ``blocks(n)`` and ``fused(n)`` run the step's first n layers (None: all) each way
+        and return the hidden states after them; both write the same cache slots. First
+        ``blocks(1)`` if the blocks have not measured the class yet (they time their ways
+        on that call), and then all layers fused if the blocks keep our op; else the first
+        ``timed_layers`` timed both ways, ``FUSION_ROUNDS`` times each, alternating, the
+        faster (by its fastest run) kept for the class, and all layers run that way, last,
+        so that the result and the cache are that way's alone."""
         if any(block.way_for(rows) is None for block in self.blocks.layer_blocks):
-            hidden = blocks()
+            blocks(1)
             fuse = self.fuse_layers(rows)
             if fuse is not None:
-                return fused() if fuse else hidden
+                return fused(None) if fuse else blocks(None)
         timings = {False: math.inf, True: math.inf}
         for _ in range(FUSION_ROUNDS):
             for fuse, run in ((False, blocks), (True, fused)):
                 started = time.perf_counter()
-                hidden = run()
+                run(self.timed_layers)
                 timings[fuse] = min(timings[fuse], time.perf_counter() - started)
         fuse = timings[True] < timings[False]
         rows_class = padded_rows(rows)
         self.choice[rows_class] = fuse
         logger.debug(
-            "layers, %d rows: blocks %.3f ms, fused %.3f ms -> %s", rows_class,
-            timings[False] * 1e3, timings[True] * 1e3, "fused" if fuse else "blocks",
+            "layers, %d rows (the first %d): blocks %.3f ms, fused %.3f ms -> %s", rows_class,
+            self.timed_layers, timings[False] * 1e3, timings[True] * 1e3,
+            "fused" if fuse else "blocks",
         )  # fmt: skip
-        return hidden if fuse else blocks()
+        return fused(None) if fuse else blocks(None)
 
 
 def model_blocks(config: ModelConfig, all_reduce: AllReduceFn | None = None) -> ModelBlocks:

@@ -19,6 +19,7 @@ Typical engine step, from FastDeploy-style slot-indexed state::
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
@@ -339,7 +340,7 @@ class LlamaForCausalLM(nn.Layer):
         if config.weight_format is not None:
             check_packed_weights_run(config.weight_format)
         self.blocks = model_blocks(config, all_reduce)
-        self.fusion = LayerFusion(self.blocks)
+        self.fusion = LayerFusion(self.blocks, config.num_layers)
         consumed = set()
 
         def parameter(name: str, shape: list[int], draw: Draw) -> paddle.Tensor:
@@ -433,16 +434,17 @@ class LlamaForCausalLM(nn.Layer):
         positions: paddle.Tensor,
         attend_for_layer: Callable[[int], AttendFn] | None,
         fused: FusedStep | None = None,
+        layers: int | None = None,
     ) -> paddle.Tensor:
-        """Hidden states [T, hidden] of the tokens ``input_ids`` [T], before the final norm
-        (``_logits`` applies it, to the rows it needs). With ``fused``, each layer runs as
-        ``DecoderLayer.forward_fused``."""
+        """Hidden states [T, hidden] of the tokens ``input_ids`` [T] after the first
+        ``layers`` layers (None: all), before the final norm (``_logits`` applies it, to the
+        rows it needs). With ``fused``, each layer runs as ``DecoderLayer.forward_fused``."""
         if self._embedding is None:
             x = paddle.gather(self.embed, input_ids)
         else:
             x = cpu_linear.columns(self._embedding.packed, input_ids)
         rope = self._rope(positions, flat=fused is not None)  # the op takes [T, head_dim]
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(itertools.islice(self.layers, layers)):
             if fused is not None:
                 x = layer.forward_fused(x, rope, index, fused)
             else:
@@ -623,15 +625,15 @@ class LlamaForCausalLM(nn.Layer):
             and self.fusion.fuse_layers(tokens)
         )
 
-        def fused() -> paddle.Tensor:
+        def fused(layers: int | None = None) -> paddle.Tensor:
             step = FusedStep(kv_cache, slot_mapping, block_tables, token_rows, positions,
                              self.fusion.op_path(tokens))  # fmt: skip
-            return self._run_layers(input_ids, positions, None, step)
+            return self._run_layers(input_ids, positions, None, step, layers)
 
-        def blocks() -> paddle.Tensor:
+        def blocks(layers: int | None = None) -> paddle.Tensor:
             return self._hidden_through_blocks(
                 layout(), input_ids, positions, slot_mapping, token_rows, block_tables,
-                max_context_len, kv_cache,
+                max_context_len, kv_cache, layers,
             )  # fmt: skip
 
         if fuse is None:
@@ -650,10 +652,12 @@ class LlamaForCausalLM(nn.Layer):
         block_tables: paddle.Tensor,
         max_context_len: int,
         kv_cache: PagedKVCache,
+        layers: int | None = None,
     ) -> paddle.Tensor:
         """``forward_paged``'s hidden states through the dense blocks and a per-layer
         attention: over the step's own K/V for prompts from position 0, over keys read
-        back from the cache for prompt chunks and decode tokens."""
+        back from the cache for prompt chunks and decode tokens; after the first
+        ``layers`` layers (None: all)."""
         kept_slots = KeptSlots(slot_mapping)
         cfg = self.config
         groups = cfg.num_heads // cfg.num_kv_heads
@@ -735,7 +739,7 @@ class LlamaForCausalLM(nn.Layer):
 
             return attend
 
-        return self._run_layers(input_ids, positions, paged_attention_for)
+        return self._run_layers(input_ids, positions, paged_attention_for, layers=layers)
 
     def _logits_of(
         self,
