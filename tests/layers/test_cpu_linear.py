@@ -17,6 +17,7 @@ fitted tolerance, and far below the error of one wrong or misplaced weight.
 """
 
 import functools
+import os
 
 import numpy as np
 import paddle
@@ -359,6 +360,33 @@ def test_prefetch_distance_never_changes_a_product(isa_path, weight_format, grou
                 np.testing.assert_array_equal(y, outputs[0])
     finally:
         cpu_linear.set_prefetch_bytes(*kept)
+
+
+def vm_flags(address: int) -> list[str]:
+    """The ``VmFlags`` of the mapping of this process that holds ``address``."""
+    holds = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(bound, 16) for bound in head.split("-"))
+                holds = low <= address < high
+            elif holds and head == "VmFlags:":
+                return line.split()[1:]
+    raise LookupError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/sys/kernel/mm/transparent_hugepage"), reason="no transparent huge pages"
+)
+@pytest.mark.parametrize("weight_format", cpu_linear.FORMATS)
+def test_packs_ask_for_huge_pages(weight_format):
+    """The packs are written into fresh memory at load: asked to be backed by 2 MB pages
+    (``hg``, madvise's MADV_HUGEPAGE), each 2 MB of them costs one page fault, not 512."""
+    huge = 2 << 20
+    packed = cpu_linear.pack(paddle.ones([1024, 4096]), weight_format)  # 4 to 16 MB
+    first_whole_page = -(-packed.weights.data_ptr() // huge) * huge
+    assert "hg" in vm_flags(first_whole_page)
 
 
 def test_rows_of_a_wider_matrix_need_no_copy():
