@@ -1,9 +1,10 @@
-"""Structured output: a ``TokenConstraint`` that keeps a request's tokens inside a JSON
-schema, by llguidance's grammar matcher (token masks as NumPy arrays, no torch).
+"""Structured output: a ``GrammarConstraint`` that keeps a request's tokens inside a
+grammar (a JSON schema's, a regular expression's, a list of choices' or a Lark grammar), by
+llguidance's grammar matcher (token masks as NumPy arrays, no torch).
 
-The HTTP process compiles and checks the schema (a schema llguidance rejects is the
-client's error); the constraint then travels to the engine process as its grammar and
-the tokenizer file's path, and builds its matcher there on first use. No paddle.
+The HTTP process compiles and checks the grammar (one llguidance rejects is the client's
+error); the constraint then travels to the engine process as its grammar and the tokenizer
+file's path, and builds its matcher there on first use. No paddle.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import llguidance
 import numpy as np
@@ -19,8 +21,17 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from .sampling_params import unpack_token_mask
 
-__all__ = ["JsonSchemaConstraint", "compile_json_schema"]
+__all__ = ["KINDS", "GrammarConstraint", "compile_grammar"]
 
+# What a constraint may be (vLLM's ``structured_outputs`` names), as the error names it: a
+# JSON schema (a dict), a regular expression the whole output matches (llguidance's, Rust
+# syntax), a list of strings the output is one of, a Lark grammar (llguidance's dialect).
+KINDS = {
+    "json": "JSON schema",
+    "regex": "regular expression",
+    "choice": "list of choices",
+    "grammar": "Lark grammar",
+}
 # Compact JSON (no free whitespace between tokens): a sampling model could otherwise pad
 # its output with whitespace until it runs out of tokens.
 _COMPILE_DEFAULTS = {"whitespace_flexible": False}
@@ -33,30 +44,47 @@ def _ll_tokenizer(tokenizer_file: str, eos_token_ids: tuple[int, ...], vocab_siz
     return llguidance.LLTokenizer(source, n_vocab=vocab_size, eos_token=list(eos_token_ids))
 
 
-def compile_json_schema(
-    schema: dict,
+def _grammar_of(kind: str, value: Any) -> str:
+    """llguidance's grammar for a constraint of ``kind`` (one of ``KINDS``)."""
+    if kind == "json":
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            json.dumps(value), defaults=_COMPILE_DEFAULTS
+        )
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(value)
+    if kind == "choice":  # each a Lark string literal (JSON's escapes)
+        return "start: " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in value)
+    return value  # a Lark grammar
+
+
+def compile_grammar(
+    kind: str,
+    value: Any,
     tokenizer_file: str | Path,
     eos_token_ids: Sequence[int],
     vocab_size: int,
 ) -> str:
-    """llguidance's grammar for ``schema``; raises ``ValueError`` with the library's
-    message when it rejects the schema."""
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            json.dumps(schema), defaults=_COMPILE_DEFAULTS
+    """llguidance's grammar for a constraint of ``kind`` (``KINDS``) given by ``value``;
+    raises ``ValueError`` with the library's message when it rejects it."""
+    if kind not in KINDS:
+        raise ValueError(
+            f"compile_grammar: argument 'kind': expected one of {list(KINDS)}, got {kind!r}"
         )
+    what = KINDS[kind]
+    try:
+        grammar = _grammar_of(kind, value)
     except ValueError as error:
-        raise ValueError(f"not a usable JSON schema: {error}") from None
+        raise ValueError(f"not a usable {what}: {error}") from None
     tokenizer = _ll_tokenizer(str(tokenizer_file), tuple(eos_token_ids), vocab_size)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
     if is_error:
-        raise ValueError(f"not a usable JSON schema: {messages[0]}")
+        raise ValueError(f"not a usable {what}: {messages[0]}")
     return grammar
 
 
-class JsonSchemaConstraint:
-    """Allows only the tokens that keep the text a prefix of a JSON value the grammar
-    (from ``compile_json_schema``) accepts; eos once the value is complete."""
+class GrammarConstraint:
+    """Allows only the tokens that keep the text a prefix of what the grammar (from
+    ``compile_grammar``) accepts; eos once the text is complete."""
 
     def __init__(
         self,
@@ -91,7 +119,7 @@ class JsonSchemaConstraint:
         of this constraint's buffer, valid until the next call."""
         if vocab_size != self.vocab_size:
             raise ValueError(
-                f"JsonSchemaConstraint: argument 'vocab_size': expected {self.vocab_size} "
+                f"GrammarConstraint: argument 'vocab_size': expected {self.vocab_size} "
                 f"(the size it was built for), got {vocab_size}"
             )
         matcher = self._matcher_here()

@@ -310,17 +310,70 @@ def test_a_tool_choice_that_asks_for_a_call_says_tools_are_not_supported():
 
 
 def test_response_format():
-    assert chat(response_format={"type": "text"}).json_schema() is None
-    assert chat(response_format={"type": "json_object"}).json_schema() == {"type": "object"}
+    assert chat(response_format={"type": "text"}).output_constraint() is None
+    assert chat(response_format={"type": "json_object"}).output_constraint() == (
+        "response_format",
+        "json",
+        {"type": "object"},
+    )
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     body = chat(
         response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
                                                                 "strict": True}}
     )  # fmt: skip
-    assert body.json_schema() == schema
+    assert body.output_constraint() == ("response_format", "json", schema)
     with pytest.raises(ApiError, match="schema"):
-        chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}).json_schema()
+        chat(
+            response_format={"type": "json_schema", "json_schema": {"name": "x"}}
+        ).output_constraint()
     with pytest.raises(ApiError, match="json_schema"):
         chat(
             response_format={"type": "json_object", "json_schema": {"schema": schema}}
-        ).json_schema()
+        ).output_constraint()
+
+
+@pytest.mark.parametrize(
+    "fields,expected",
+    [({"json": {"type": "integer"}}, ("json", {"type": "integer"})),
+     ({"json": '{"type": "integer"}'}, ("json", {"type": "integer"})),
+     ({"regex": "[ab]+"}, ("regex", "[ab]+")),
+     ({"choice": ["yes", "no"]}, ("choice", ["yes", "no"])),
+     ({"grammar": 'start: "x"'}, ("grammar", 'start: "x"')),
+     ({"json_object": True}, ("json", {"type": "object"}))],
+)  # fmt: skip
+def test_structured_outputs_name_one_constraint(fields, expected):
+    for body in (chat(structured_outputs=fields), completion(structured_outputs=fields)):
+        assert body.output_constraint() == ("structured_outputs", *expected)
+    text = chat(structured_outputs=fields, response_format={"type": "text"})
+    assert text.output_constraint() == ("structured_outputs", *expected)
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [({}, "expected exactly one of json, regex, choice, grammar and json_object, got none"),
+     ({"regex": "a", "choice": ["a"]}, "got ['choice', 'regex']"),
+     ({"json_object": False}, "'structured_outputs.json_object': expected true, got false"),
+     ({"json": "{not json"}, "'structured_outputs.json': not JSON text: Expecting property"),
+     ({"json": "[1]"}, "'structured_outputs.json': expected a JSON schema object, got a list")],
+)  # fmt: skip
+def test_structured_outputs_that_name_no_one_constraint_are_refused(fields, message):
+    with pytest.raises(ApiError) as error:
+        chat(structured_outputs=fields).check(VOCAB)
+    assert error.value.param == "structured_outputs" and message in error.value.message
+
+
+def test_structured_outputs_and_a_response_format_are_not_both_taken():
+    body = chat(structured_outputs={"regex": "a"}, response_format={"type": "json_object"})
+    with pytest.raises(ApiError, match="'response_format' constrains the output too; send one"):
+        body.check(VOCAB)
+    with pytest.raises(ApiError, match="'min_tokens': not honoured with structured output"):
+        chat(structured_outputs={"choice": ["a"]}, min_tokens=1).check(VOCAB)
+
+
+@pytest.mark.parametrize(
+    "fields", [{"choice": []}, {"regex": 5}, {"whitespace_pattern": " "}, {"json": 3}], ids=str
+)
+def test_structured_outputs_fields_fail_validation_by_name(fields):
+    with pytest.raises(ValidationError) as error:
+        chat(structured_outputs=fields)
+    assert {e["loc"][0] for e in error.value.errors()} == {"structured_outputs"}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
 import jsonschema
@@ -279,3 +280,30 @@ def test_structured_output_100_requests_at_temperature_1(served):
     assert text.startswith("{")
     if plain.choices[0].finish_reason == "stop":  # else the context ran out first
         assert isinstance(json.loads(text), dict)
+
+
+@pytest.mark.parametrize(
+    "constraint,accepts",
+    [({"choice": ["yes", "no", "a list"]}, lambda text: text in ("yes", "no", "a list")),
+     ({"regex": "[a-z]{3}-[0-9]{2}"}, lambda text: re.fullmatch("[a-z]{3}-[0-9]{2}", text))],
+    ids=["choice", "regex"],
+)  # fmt: skip
+def test_structured_outputs_at_temperature_1(served, constraint, accepts):
+    """vLLM's ``structured_outputs``, through both endpoints, sampled: every answer is one
+    the constraint accepts, and they differ."""
+    api = client(served)
+    texts = []
+    for seed in range(12):
+        chat = api.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Is it?"}], temperature=1.0,
+            seed=seed, max_tokens=20, extra_body={"structured_outputs": constraint},
+        )  # fmt: skip
+        completion = api.completions.create(
+            model=MODEL, prompt=PROMPT, temperature=1.0, seed=seed, max_tokens=20,
+            extra_body={"structured_outputs": constraint},
+        )  # fmt: skip
+        for choice, text in ((chat.choices[0], chat.choices[0].message.content),
+                             (completion.choices[0], completion.choices[0].text)):  # fmt: skip
+            assert choice.finish_reason == "stop" and accepts(text), text
+            texts.append(text)
+    assert len(set(texts)) > 1

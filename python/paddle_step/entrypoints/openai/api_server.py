@@ -200,36 +200,36 @@ def create_app(
         return max_tokens
 
     async def constraints_of(body) -> Callable[[], object | None]:
-        """A maker of the structured-output constraint ``response_format`` asks for (one
-        per prompt: each keeps its own state); it makes None without one. The schema is
-        compiled once, in a worker thread: the first compile also builds llguidance's view
-        of the vocabulary (up to a second for a large one), which must not stall the
-        streams in flight."""
-        schema = body.json_schema()
-        if schema is None:
+        """A maker of the structured-output constraint the request asks for
+        (``response_format`` or ``structured_outputs``; one per prompt: each keeps its own
+        state); it makes None without one. The grammar is compiled once, in a worker
+        thread: the first compile also builds llguidance's view of the vocabulary (up to a
+        second for a large one), which must not stall the streams in flight."""
+        asked = body.output_constraint()
+        if asked is None:
             return lambda: None
         tokenizer_file = getattr(tokenizer, "tokenizer_file", None)
         if tokenizer_file is None:
             raise ApiError(
-                "'response_format': structured output needs a Hugging Face tokenizer.json; "
+                f"'{asked.param}': structured output needs a Hugging Face tokenizer.json; "
                 "this model has none",
-                param="response_format",
+                param=asked.param,
             )
         if body.samples_drawn() > 1:
             raise ApiError(
-                "'response_format': structured output draws one sample per prompt, got "
+                f"'{asked.param}': structured output draws one sample per prompt, got "
                 f"n {body.n} and best_of {body.samples_drawn()}",
-                param="response_format",
+                param=asked.param,
             )
-        from ...structured_output import JsonSchemaConstraint, compile_json_schema
+        from ...structured_output import GrammarConstraint, compile_grammar
 
         try:
             grammar = await asyncio.to_thread(
-                compile_json_schema, schema, tokenizer_file, eos_token_ids, vocab_size
+                compile_grammar, asked.kind, asked.value, tokenizer_file, eos_token_ids, vocab_size
             )
         except ValueError as error:
-            raise ApiError(f"'response_format': {error}", param="response_format") from None
-        return lambda: JsonSchemaConstraint(grammar, tokenizer_file, eos_token_ids, vocab_size)
+            raise ApiError(f"'{asked.param}': {error}", param=asked.param) from None
+        return lambda: GrammarConstraint(grammar, tokenizer_file, eos_token_ids, vocab_size)
 
     def check_prompt_size(text_size: int, param: str) -> None:
         """Refuses, before tokenizing, a text too long for the context in any tokenization."""

@@ -10,7 +10,7 @@ accepted only when absent, null or asking for what the server does anyway (``too
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import (
     BaseModel,
@@ -39,7 +39,9 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
+    "OutputConstraint",
     "ResponseFormat",
+    "StructuredOutputs",
 ]
 
 # The most choices (prompts x best_of) one request may ask for: each is an engine request.
@@ -207,6 +209,65 @@ class ResponseFormat(_Strict):
         return {"type": "object"} if self.type == "json_object" else None
 
 
+class OutputConstraint(NamedTuple):
+    """What structured output a request asks for: through which field (``param``), of which
+    kind (``structured_output.KINDS``), given by ``value``."""
+
+    param: str
+    kind: str
+    value: Any
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs``: exactly one of a JSON schema (``json``, an object or
+    its text), a regular expression the whole output matches (``regex``), strings the output
+    is one of (``choice``), a Lark grammar (``grammar``) or any JSON object
+    (``json_object: true``)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_value: dict[str, Any] | StrictStr | None = Field(default=None, alias="json")
+    regex: StrictStr | None = None
+    choice: Annotated[list[StrictStr], Field(min_length=1)] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+
+    def constraint(self) -> OutputConstraint:
+        given = {
+            name: value
+            for name, value in (
+                ("json", self.json_value),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+                ("json_object", self.json_object),
+            )  # fmt: skip
+            if value is not None
+        }
+        if len(given) != 1:
+            raise ApiError(
+                "'structured_outputs': expected exactly one of json, regex, choice, grammar "
+                f"and json_object, got {sorted(given) or 'none'}",
+                param="structured_outputs",
+            )
+        [(kind, value)] = given.items()
+        if kind == "json_object":
+            if not value:
+                raise ApiError("'structured_outputs.json_object': expected true, got false",
+                               param="structured_outputs")  # fmt: skip
+            return OutputConstraint("structured_outputs", "json", {"type": "object"})
+        if kind == "json" and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as error:
+                raise ApiError(f"'structured_outputs.json': not JSON text: {error}",
+                               param="structured_outputs") from None  # fmt: skip
+            if not isinstance(value, dict):
+                raise ApiError(f"'structured_outputs.json': expected a JSON schema object, "
+                               f"got {_shown(value)}", param="structured_outputs")  # fmt: skip
+        return OutputConstraint("structured_outputs", kind, value)
+
+
 class _RequestFields(_Strict):
     """Fields both endpoints share (OpenAI's, plus vLLM's sampling and text extensions)."""
 
@@ -229,6 +290,7 @@ class _RequestFields(_Strict):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extension
     # An end-user id, for the operator's logs; as at OpenAI, it does not change the output.
     user: StrictStr | None = None
     # vLLM's text extensions: the server turns tokens into text, so they stay here, not in
@@ -253,9 +315,18 @@ class _RequestFields(_Strict):
         value (None: what the context leaves)."""
         return "max_tokens", self.max_tokens
 
-    def json_schema(self) -> dict | None:
-        """The schema structured output must follow (``response_format``), or None."""
-        return None if self.response_format is None else self.response_format.schema_or_none()
+    def output_constraint(self) -> OutputConstraint | None:
+        """The structured output asked for (``response_format`` or ``structured_outputs``,
+        not both), or None."""
+        schema = None if self.response_format is None else self.response_format.schema_or_none()
+        if self.structured_outputs is None:
+            return None if schema is None else OutputConstraint("response_format", "json", schema)
+        if schema is not None:
+            raise ApiError(
+                "'structured_outputs': 'response_format' constrains the output too; send one",
+                param="structured_outputs",
+            )
+        return self.structured_outputs.constraint()
 
     def check_common(self, vocab_size: int) -> None:
         """The range checks pydantic's types do not express."""
@@ -289,10 +360,10 @@ class _RequestFields(_Strict):
             _refuse_unless(0 <= token < vocab_size, "stop_token_ids",
                            f"token ids in [0, {vocab_size})", token)  # fmt: skip
         self.token_bias(vocab_size)
-        if self.min_tokens and self.response_format is not None and self.json_schema():
+        if self.output_constraint() is not None and self.min_tokens:
             raise ApiError(
                 "'min_tokens': not honoured with structured output, which ends when its "
-                f"schema is complete, got {self.min_tokens}",
+                f"grammar is complete, got {self.min_tokens}",
                 param="min_tokens",
             )
         _refuse_unless(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,

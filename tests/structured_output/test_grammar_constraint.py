@@ -1,10 +1,13 @@
-"""JsonSchemaConstraint on the shipped model's tokenizer, driven by a random sampler: every
-walk through its masks ends in JSON that parses and validates against the schema."""
+"""GrammarConstraint on the shipped model's tokenizer, driven by a random sampler: every
+walk through its masks ends in text the grammar accepts (JSON that validates against the
+schema, a match of the regular expression, one of the choices, a sentence of the Lark
+grammar)."""
 
 from __future__ import annotations
 
 import json
 import pickle
+import re
 from pathlib import Path
 
 import jsonschema
@@ -13,7 +16,7 @@ import pytest
 
 import paddle_step
 from paddle_step.sampling_params import pack_token_mask, token_mask_words
-from paddle_step.structured_output import JsonSchemaConstraint, compile_json_schema
+from paddle_step.structured_output import GrammarConstraint, compile_grammar
 from paddle_step.testing.constraints import OBJECT_SCHEMA
 from paddle_step.tokenizer.hf import HFTokenizer
 
@@ -23,7 +26,7 @@ EOS = [1]
 VOCAB = 2048
 
 
-def walk(constraint: JsonSchemaConstraint, rng: np.random.Generator, limit: int = 300):
+def walk(constraint: GrammarConstraint, rng: np.random.Generator, limit: int = 300):
     """Samples uniformly among the allowed tokens until eos or the constraint finishes."""
     tokens = []
     for _ in range(limit):
@@ -41,10 +44,10 @@ def walk(constraint: JsonSchemaConstraint, rng: np.random.Generator, limit: int 
 
 def test_random_walks_give_valid_json():
     tokenizer = HFTokenizer.from_dir(SHIPPED)
-    grammar = compile_json_schema(OBJECT_SCHEMA, TOKENIZER_FILE, EOS, VOCAB)
+    grammar = compile_grammar("json", OBJECT_SCHEMA, TOKENIZER_FILE, EOS, VOCAB)
     rng = np.random.default_rng(7)
     for _ in range(40):
-        constraint = JsonSchemaConstraint(grammar, TOKENIZER_FILE, EOS, VOCAB)
+        constraint = GrammarConstraint(grammar, TOKENIZER_FILE, EOS, VOCAB)
         tokens, how = walk(constraint, rng)
         assert how != "limit" and constraint.error == ""
         value = json.loads(tokenizer.decode(tokens))
@@ -54,8 +57,11 @@ def test_random_walks_give_valid_json():
 def test_mask_allows_exactly_the_tokens_that_keep_the_text_valid():
     """At the start only '{' (or tokens beginning with it) may come; never eos."""
     tokenizer = HFTokenizer.from_dir(SHIPPED)
-    constraint = JsonSchemaConstraint(
-        compile_json_schema(OBJECT_SCHEMA, TOKENIZER_FILE, EOS, VOCAB), TOKENIZER_FILE, EOS, VOCAB
+    constraint = GrammarConstraint(
+        compile_grammar("json", OBJECT_SCHEMA, TOKENIZER_FILE, EOS, VOCAB),
+        TOKENIZER_FILE,
+        EOS,
+        VOCAB,
     )
     mask = constraint.allowed_tokens(VOCAB)
     assert mask.dtype == bool and mask.shape == (VOCAB,)
@@ -71,8 +77,8 @@ def test_mask_allows_exactly_the_tokens_that_keep_the_text_valid():
 
 
 def test_pickles_without_its_matcher_and_resumes_fresh():
-    grammar = compile_json_schema(OBJECT_SCHEMA, TOKENIZER_FILE, EOS, VOCAB)
-    constraint = JsonSchemaConstraint(grammar, TOKENIZER_FILE, EOS, VOCAB)
+    grammar = compile_grammar("json", OBJECT_SCHEMA, TOKENIZER_FILE, EOS, VOCAB)
+    constraint = GrammarConstraint(grammar, TOKENIZER_FILE, EOS, VOCAB)
     first = constraint.allowed_tokens(VOCAB)
     constraint.accept_token(int(np.flatnonzero(first)[0]))
     copy = pickle.loads(pickle.dumps(constraint))
@@ -85,16 +91,61 @@ def test_pickles_without_its_matcher_and_resumes_fresh():
 )
 def test_a_schema_the_library_rejects_raises_value_error(schema, message):
     with pytest.raises(ValueError, match="not a usable JSON schema") as error:
-        compile_json_schema(schema, TOKENIZER_FILE, EOS, VOCAB)
+        compile_grammar("json", schema, TOKENIZER_FILE, EOS, VOCAB)
     assert message in str(error.value)
 
 
 def test_wrong_vocab_size_is_refused():
-    constraint = JsonSchemaConstraint(
-        compile_json_schema({"type": "object"}, TOKENIZER_FILE, EOS, VOCAB),
+    constraint = GrammarConstraint(
+        compile_grammar("json", {"type": "object"}, TOKENIZER_FILE, EOS, VOCAB),
         TOKENIZER_FILE,
         EOS,
         VOCAB,
     )
     with pytest.raises(ValueError, match="'vocab_size': expected 2048"):
         constraint.allowed_tokens(VOCAB + 1)
+
+
+def walk_to_text(kind: str, value, seed: int) -> list[str]:
+    tokenizer = HFTokenizer.from_dir(SHIPPED)
+    grammar = compile_grammar(kind, value, TOKENIZER_FILE, EOS, VOCAB)
+    rng = np.random.default_rng(seed)
+    texts = []
+    for _ in range(30):
+        constraint = GrammarConstraint(grammar, TOKENIZER_FILE, EOS, VOCAB)
+        tokens, how = walk(constraint, rng, limit=60)
+        assert how != "limit" and constraint.error == ""
+        texts.append(tokenizer.decode(tokens))
+    return texts
+
+
+CHOICES = ["yes", "no", "maybe not", 'a "quoted" \\ back|slash (.*)', "ü"]
+
+
+def test_random_walks_give_one_of_the_choices():
+    texts = walk_to_text("choice", CHOICES, seed=1)
+    assert set(texts) <= set(CHOICES) and len(set(texts)) > 1
+
+
+def test_random_walks_match_the_regular_expression():
+    pattern = r"[a-c]{2,4}-[0-9]+"
+    texts = walk_to_text("regex", pattern, seed=2)
+    assert all(re.fullmatch(pattern, text) for text in texts), texts
+
+
+def test_random_walks_give_sentences_of_the_lark_grammar():
+    grammar = 'start: "(" item ("," item)* ")"\nitem: /[xy]/ | start'
+    texts = walk_to_text("grammar", grammar, seed=3)
+    assert all(re.fullmatch(r"[(),xy]+", text) and text.count("(") == text.count(")")
+               for text in texts), texts  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kind,value,message",
+    [("regex", "((", "(?s)not a usable regular expression: .*unclosed group"),
+     ("grammar", "start: foo", '(?s)not a usable Lark grammar: .*unknown name: "foo"'),
+     ("yaml", "a: 1", "argument 'kind': expected one of")],
+)  # fmt: skip
+def test_a_grammar_the_library_rejects_raises_value_error(kind, value, message):
+    with pytest.raises(ValueError, match=message):
+        compile_grammar(kind, value, TOKENIZER_FILE, EOS, VOCAB)
