@@ -56,7 +56,9 @@ class TokenConstraint(Protocol):
 
     A constraint may also have ``allowed_bitmask(vocab_size)``: the same set packed as
     ``pack_token_mask`` packs it (int32 [ceil(vocab_size / 32)], None allows all), which
-    the engine then asks for instead, saving the bool mask and its packing per step."""
+    the engine then asks for instead, saving the bool mask and its packing per step. And
+    ``error``: a string, not empty once the constraint failed (a matcher past its own
+    limits) rather than completed; the server then answers the request with that error."""
 
     def allowed_tokens(self, vocab_size: int) -> np.ndarray | None:
         """A bool [vocab_size] mask of the tokens allowed next; None allows all."""

@@ -15,6 +15,7 @@ import sys
 import traceback
 from typing import NoReturn
 
+from ..sampling_params import TokenConstraint
 from .core_messages import AbortRequest, AddRequest, EngineFailed, Ready, StepOutput, Stop
 
 __all__ = ["STOP_SIGNALS", "ignore_stop_signals", "run_engine"]
@@ -70,6 +71,7 @@ def run_engine(args: argparse.Namespace, commands, events) -> None:
     request_ids: dict[int, int] = {}  # server key -> engine request id
     keys: dict[int, int] = {}  # engine request id -> server key
     draws: dict[int, dict[int, list[int]]] = {}  # best_of > n: request -> draw -> tokens
+    constraints: dict[int, TokenConstraint] = {}  # request -> its structured output
     while True:
         output = StepOutput()
         batch = _next_commands(engine, commands) if leader else []
@@ -93,9 +95,12 @@ def run_engine(args: argparse.Namespace, commands, events) -> None:
                 params = command.params
                 if params.best_of is not None and params.best_of > params.n:
                     draws[request_id] = {draw: [] for draw in range(params.best_of)}
+                if params.constraint is not None:
+                    constraints[request_id] = params.constraint
             elif isinstance(command, AbortRequest) and command.key in request_ids:
                 request_id = request_ids.pop(command.key)
                 draws.pop(request_id, None)
+                constraints.pop(request_id, None)
                 engine.abort(request_id)
         if engine.has_unfinished():
             try:
@@ -110,9 +115,11 @@ def run_engine(args: argparse.Namespace, commands, events) -> None:
                                       for request_id, entries
                                       in engine.last_step_prompt_logprobs.items()
                                       if request_id in keys]  # fmt: skip
+            # A failed constraint's last token ends nothing: its error follows (refused).
             output.tokens = [(keys[token.request_id],
                               (token.index, token.token_id, _logprobs(token.logprobs),
-                               token.finish_reason))
+                               None if getattr(constraints.get(token.request_id), "error", "")
+                               else token.finish_reason))
                              for token in engine.last_step_outputs
                              if token.request_id in keys]  # fmt: skip
             for token in engine.last_step_outputs:
@@ -125,12 +132,28 @@ def run_engine(args: argparse.Namespace, commands, events) -> None:
                 key = keys.pop(result.request_id)
                 request_ids.pop(key, None)
                 drawn = draws.pop(result.request_id, None)
-                output.finished.append((key, _returned(result, drawn)))
+                failure = _constraint_failure(constraints.pop(result.request_id, None), result)
+                if failure:
+                    output.refused.append((key, failure))
+                else:
+                    output.finished.append((key, _returned(result, drawn)))
         if leader and (output.tokens or output.finished or output.refused or batch
                        or engine.has_unfinished()):  # fmt: skip
             output.stats = _stats(engine)
             if not _send(events, output):
                 return
+
+
+def _constraint_failure(constraint: TokenConstraint | None, result) -> str:
+    """Why a finished request's constraint failed ('' if it did not): a matcher that hit
+    its own limits mid-way stops the request as if its grammar were complete, which the
+    client must not take for a finished answer."""
+    error = getattr(constraint, "error", "") if constraint is not None else ""
+    if not error:
+        return ""
+    count = len(result.token_ids)
+    return (f"structured output failed after {count} token{'s' * (count != 1)}: "
+            f"{error.splitlines()[0]}")  # fmt: skip
 
 
 def _returned(result, drawn: dict[int, list[int]] | None) -> list[tuple[int, str]]:

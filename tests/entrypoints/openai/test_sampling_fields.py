@@ -307,3 +307,24 @@ def test_structured_outputs_at_temperature_1(served, constraint, accepts):
             assert choice.finish_reason == "stop" and accepts(text), text
             texts.append(text)
     assert len(set(texts)) > 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_past_the_matchers_limits_is_an_error_not_an_answer(served, stream):
+    """A regular expression too large for llguidance's lexer (a million repeats): refused
+    when compiled, or failed on the first token. Either way the client gets the error,
+    never a cut answer that says it stopped."""
+    request = {"url": f"{served}/v1/completions", "timeout": 120, "json": {
+        "model": MODEL, "prompt": PROMPT, "max_tokens": 20, "stream": stream,
+        "structured_outputs": {"regex": "a{1000000}"}}}  # fmt: skip
+    response = httpx.post(**request)
+    if response.status_code == 400 or not stream:
+        assert response.status_code == 400
+        message = response.json()["error"]["message"]
+    else:  # refused mid-stream: an error event ends it
+        events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        message = json.loads(events[-2])["error"]["message"]
+    assert "structured output failed after 1 token: lexer error" in message or (
+        "not a usable regular expression" in message
+    ), message
