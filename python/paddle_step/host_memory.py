@@ -19,11 +19,12 @@ the top of its heap beyond 128 KiB; freed blocks below the top stay in the heap.
 - A large buffer written as it is used (``untouched_zeros``, the CPU KV cache): taken
   from calloc, which serves it by its own mmap, whose pages the kernel maps, zeroed, when
   they are first written. Writing zeros up front (``paddle.zeros``) maps every page before
-  the first request: 0.8 to 2.9 s and 1.6 GB resident for the example's KV cache on
-  Qwen2.5-0.5B's shape.
+  the first request: 0.76 to 1.07 s and 1.6 GB resident for the example's KV cache on
+  Qwen2.5-0.5B's shape (Intel Xeon, 2 cores).
 
-Where the C library is not glibc the first two do nothing. An allocator preloaded in malloc's place
-(tcmalloc, jemalloc) keeps freed memory by its own rules, which these calls do not touch.
+Where the C library is not glibc the first two do nothing. An allocator preloaded in
+malloc's place (tcmalloc, jemalloc) keeps freed memory by its own rules, which these calls
+do not touch.
 """
 
 from __future__ import annotations
