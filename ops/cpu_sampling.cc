@@ -82,9 +82,6 @@ void ReadLogits(const InputChecker& check, const paddle::Tensor& logits,
   b->logits_stride = check.RowStride("logits", logits);
 }
 
-// body(begin, end, scratch) over ranges of b's rows on the CPU kernels' pool,
-// as the products run: tasks are claimed one at a time, so a worker that
-// starts late leaves its rows to the others; `scratch` is the thread's own.
 // Appends the logprob outputs of `rows` rows to `outputs` (the chosen token's
 // logprob [rows], the top `top` ids and logprobs [rows, top]) and points `b`
 // at them.
@@ -100,6 +97,9 @@ void AddLogprobOutputs(int64_t rows, int64_t top, cpu::SamplingBatch* b,
   outputs->insert(outputs->end(), {chosen, ids, values});
 }
 
+// body(begin, end, scratch) over ranges of b's rows on the CPU kernels' pool,
+// as the products run: tasks are claimed one at a time, so a worker that
+// starts late leaves its rows to the others; `scratch` is the thread's own.
 template <typename Body>
 void ForRowRanges(const cpu::SamplingBatch& b, const Body& body) {
   cpu::ThreadPool& pool = CpuThreadPool();

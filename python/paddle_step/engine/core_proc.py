@@ -118,7 +118,7 @@ def run_engine(args: argparse.Namespace, commands, events) -> None:
             # A failed constraint's last token ends nothing: its error follows (refused).
             output.tokens = [(keys[token.request_id],
                               (token.index, token.token_id, _logprobs(token.logprobs),
-                               None if getattr(constraints.get(token.request_id), "error", "")
+                               None if _constraint_error(constraints.get(token.request_id))
                                else token.finish_reason))
                              for token in engine.last_step_outputs
                              if token.request_id in keys]  # fmt: skip
@@ -144,11 +144,16 @@ def run_engine(args: argparse.Namespace, commands, events) -> None:
                 return
 
 
+def _constraint_error(constraint: TokenConstraint | None) -> str:
+    """The constraint's ``error`` ('' for none, or for a constraint without one)."""
+    return getattr(constraint, "error", "")
+
+
 def _constraint_failure(constraint: TokenConstraint | None, result) -> str:
     """Why a finished request's constraint failed ('' if it did not): a matcher that hit
     its own limits mid-way stops the request as if its grammar were complete, which the
     client must not take for a finished answer."""
-    error = getattr(constraint, "error", "") if constraint is not None else ""
+    error = _constraint_error(constraint)
     if not error:
         return ""
     count = len(result.token_ids)

@@ -4,14 +4,14 @@ continued, and more variables for the template."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import jinja2
 import jinja2.sandbox
 
-__all__ = ["TEMPLATE_VARIABLES", "ChatTemplateOptions", "render_chat"]
+__all__ = ["TEMPLATE_VARIABLES", "ChatTemplateOptions", "render_chat", "reserved_among"]
 
 # The variables the renderer itself gives every template.
 TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token",
@@ -31,6 +31,12 @@ class ChatTemplateOptions:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 
+def reserved_among(names: Iterable[str]) -> list[str]:
+    """Those of ``names`` that are ``TEMPLATE_VARIABLES`` (extra variables may not be),
+    sorted."""
+    return sorted(set(names) & set(TEMPLATE_VARIABLES))
+
+
 def _raise_template_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
@@ -45,9 +51,9 @@ def render_chat(
     """``messages`` ([{"role": .., "content": ..}, ..]) rendered with ``template``. Raises
     ``jinja2.TemplateError`` from the template, ``ValueError`` where the final message to
     continue does not appear in the rendered text."""
-    reserved = set(options.extra) & set(TEMPLATE_VARIABLES)
+    reserved = reserved_among(options.extra)
     if reserved:
-        raise ValueError(f"chat template variables {sorted(reserved)} are the renderer's own")
+        raise ValueError(f"chat template variables {reserved} are the renderer's own")
     # As transformers renders it: a sandbox, block tags trimmed, raise_exception().
     environment = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     environment.globals["raise_exception"] = _raise_template_exception

@@ -27,7 +27,7 @@ from pydantic_core import PydanticCustomError
 from ...engine.request import MAX_LOGIT_BIAS as MAX_LOGIT_BIAS_ENTRIES
 from ...engine.request import MAX_STOP_TOKEN_IDS
 from ...sampling_params import MAX_LOGPROBS, SamplingParams, TokenConstraint
-from ...tokenizer.chat_template import TEMPLATE_VARIABLES, ChatTemplateOptions
+from ...tokenizer.chat_template import TEMPLATE_VARIABLES, ChatTemplateOptions, reserved_among
 
 __all__ = [
     "FLOAT32_LARGEST",
@@ -661,7 +661,7 @@ class ChatCompletionRequest(_RequestFields):
                     f"assistant's, to continue, got a last message of role '{last}'",
                     param="continue_final_message",
                 )
-        reserved = sorted(set(self.chat_template_kwargs or {}) & set(TEMPLATE_VARIABLES))
+        reserved = reserved_among(self.chat_template_kwargs or {})
         if reserved:
             raise ApiError(
                 f"'chat_template_kwargs': expected variables other than the template's own "
