@@ -192,3 +192,8 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when the next token is the argmax (temperature 0)."""
         return self.temperature == 0.0
+
+    def top_k_cut(self, vocab_size: int) -> int:
+        """``top_k`` as the samplers take it (int64, 0: every token): -1, 0 and any value at
+        or past ``vocab_size`` keep every token, however large the int."""
+        return self.top_k if 0 < self.top_k < vocab_size else 0

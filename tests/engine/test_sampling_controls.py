@@ -137,6 +137,25 @@ def test_penalties_and_cuts_take_effect(model):
     assert greedy(model, PROMPT, max_tokens=30, temperature=1.5, min_p=1.0).token_ids == plain
 
 
+def test_top_k_and_min_tokens_past_int64_run_as_their_bounds(model):
+    """The engine's state is int64: a top_k or min_tokens past it (a Python int, as a JSON
+    body brings it) once failed the step, and with it the server's engine. A top_k at or
+    past the vocabulary keeps every token, as 0 does; a min_tokens past max_tokens holds
+    eos to the end, as max_tokens does."""
+    vocab = model.config.vocab_size
+    sampled = dict(max_tokens=12, temperature=1.0, seed=3)
+    every_token = greedy(model, PROMPT, top_k=0, **sampled).token_ids
+    assert greedy(model, PROMPT, top_k=2, **sampled).token_ids != every_token  # a cut shows
+    for top_k in (vocab, 2**63, 10**23):
+        assert greedy(model, PROMPT, top_k=top_k, **sampled).token_ids == every_token
+    plain = greedy(model, PROMPT, max_tokens=12).token_ids
+    held = greedy(model, PROMPT, max_tokens=12, stop_token_ids=[plain[0]], min_tokens=12)
+    assert held.finish_reason == "length" and plain[0] not in held.token_ids
+    for min_tokens in (2**63, 10**23):
+        assert greedy(model, PROMPT, max_tokens=12, stop_token_ids=[plain[0]],
+                      min_tokens=min_tokens) == held  # fmt: skip
+
+
 def test_a_constraint_masks_each_token_and_ends_the_request(model):
     allowed = [[10, 11, 12], [200, 201], [5]]
 

@@ -87,12 +87,14 @@ class ModelRunner:
         params = [r.params for r in requests]
         write(state.temperature, [p.temperature for p in params])
         write(state.top_p, [p.top_p for p in params])
-        write(state.top_k, [max(p.top_k, 0) for p in params])
+        write(state.top_k, [p.top_k_cut(self.model.config.vocab_size) for p in params])
         write(state.min_p, [p.min_p for p in params])
         write(state.presence_penalty, [p.presence_penalty for p in params])
         write(state.frequency_penalty, [p.frequency_penalty for p in params])
         write(state.repetition_penalty, [p.repetition_penalty for p in params])
-        write(state.min_tokens, [p.min_tokens for p in params])
+        # A min_tokens past the tokens the slot may generate (a Python int of any size, into
+        # int64 state) holds eos to the end, as that bound does.
+        write(state.min_tokens, [min(r.params.min_tokens, r.max_new_tokens) for r in requests])
         bias_ids = np.full((count, MAX_LOGIT_BIAS), -1, dtype=np.int64)
         bias_values = np.zeros((count, MAX_LOGIT_BIAS), dtype=np.float32)
         for row, p in enumerate(params):

@@ -95,8 +95,8 @@ def _controls(rows: list[_Sequence], vocab: int) -> SamplingControls:
         controls.repetition_penalty = paddle.to_tensor([p.repetition_penalty for p in params],
                                                        dtype="float32")  # fmt: skip
         controls.prompt_tokens = _padded([row.prompt for row in rows])
-    if any(p.top_k > 0 for p in params):
-        controls.top_k = paddle.to_tensor([max(p.top_k, 0) for p in params], dtype="int64")
+    if any(p.top_k_cut(vocab) for p in params):
+        controls.top_k = paddle.to_tensor([p.top_k_cut(vocab) for p in params], dtype="int64")
     if any(p.min_p > 0 for p in params):
         controls.min_p = paddle.to_tensor([p.min_p for p in params], dtype="float32")
     return controls

@@ -196,6 +196,27 @@ def test_sampling_controls_equal_offline(served, offline):
     assert response.choices[0].text == text_of(tokenizer, result.token_ids)
 
 
+def test_a_top_k_past_int64_answers_and_the_engine_serves_on(served, offline):
+    """JSON's integers have no bound: a top_k past int64 once failed the engine's step,
+    which took the server's engine down (every later request a 503). Past the vocabulary
+    it keeps every token, as 0 does."""
+    tokenizer = offline.tokenizer
+    result = offline(
+        tokenizer.encode(PROMPT), SamplingParams(max_tokens=8, temperature=1.0, seed=5)
+    )
+    response = client(served).completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=5,
+        extra_body={"top_k": 10**23},
+    )  # fmt: skip
+    assert response.choices[0].text == text_of(tokenizer, result.token_ids)
+    chat = client(served).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        extra_body={"top_k": 2**64},
+    )  # fmt: skip
+    assert chat.choices[0].finish_reason == "length"
+    assert httpx.get(f"{served}/health", timeout=10).status_code == 200
+
+
 def test_n_and_best_of_equal_offline(served, offline):
     tokenizer = offline.tokenizer
     prompt_ids = tokenizer.encode(PROMPT)
