@@ -427,6 +427,25 @@ def test_a_model_not_served_gets_404_and_server_keeps_serving(served, path, body
     assert good.status_code == 200
 
 
+@pytest.mark.parametrize(
+    "method, path, allowed",
+    [
+        ("DELETE", "/v1/completions", "POST"),
+        ("GET", "/v1/chat/completions", "POST"),
+        ("POST", "/v1/models", "GET"),
+        ("TRACE", "/health", "GET"),
+    ],
+)
+def test_a_wrong_method_gets_405_naming_the_allowed_ones(served, method, path, allowed):
+    base_url, _loop = served
+    response = httpx.request(method, f"{base_url}{path}", timeout=30)
+    assert response.status_code == 405, response.text
+    assert response.headers["allow"] == allowed  # RFC 9110: a 405 lists what the path takes
+    error = response.json()["error"]
+    assert error["code"] == 405
+    assert error["message"] == f"{path} takes {allowed}, got {method}"
+
+
 def test_concurrent_streams_with_cancellations(served, offline):
     """64 concurrent streaming clients, 400 requests, 20% closed mid-stream."""
     base_url, loop = served

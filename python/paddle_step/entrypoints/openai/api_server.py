@@ -115,12 +115,18 @@ def create_app(
         return JSONResponse(ApiError(message, param=where or None).body(), status_code=400)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_request: Request, error: HTTPException) -> JSONResponse:
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
         message = str(error.detail)
         if isinstance(error.__cause__, UnicodeDecodeError):  # FastAPI's detail names no cause
             message = f"the body is not UTF-8 text: {error.__cause__}"
+        allowed = (error.headers or {}).get("Allow")
+        if error.status_code == 405 and allowed:
+            message = f"{request.url.path} takes {allowed}, got {request.method}"
+        # Starlette's headers (a 405's Allow, which RFC 9110 requires) go out with the body.
         return JSONResponse(
-            ApiError(message, status=error.status_code).body(), status_code=error.status_code
+            ApiError(message, status=error.status_code).body(),
+            status_code=error.status_code,
+            headers=error.headers,
         )
 
     @app.get("/health")
