@@ -9,6 +9,7 @@ a fixed number of examples.
 from __future__ import annotations
 
 import httpx
+import jsonschema
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
@@ -81,3 +82,38 @@ def test_schema_driven_requests_get_documented_answers_and_no_5xx(url, mode):
     assert sum(seen.values()) >= POST_EXAMPLES[mode] and not any(status >= 500 for status in seen)
     if generation is schemathesis.GenerationMode.POSITIVE:  # valid requests are mostly served
         assert seen.get(200, 0) >= POST_EXAMPLES[mode] // 2, seen
+
+
+# (body fields, whether the server serves them): the schema says so as well.
+CONSTRAINT_BODIES = [
+    ({"response_format": {"type": "json_schema"}}, False),
+    ({"response_format": {"type": "json_object", "json_schema": {"schema": {}}}}, False),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}},
+        True,
+    ),  # fmt: skip
+    ({"structured_outputs": {}}, False),
+    ({"structured_outputs": {"regex": None}}, False),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, False),
+    ({"structured_outputs": {"json_object": False}}, False),
+    ({"structured_outputs": {"json_object": True}}, True),
+    ({"structured_outputs": {"choice": ["a"], "grammar": None}}, True),
+    (
+        {"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}},
+        False,
+    ),  # fmt: skip
+    ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "text"}}, True),
+    ({"structured_outputs": {"choice": ["a"]}, "min_tokens": 1}, False),
+    ({"response_format": {"type": "json_object"}, "min_tokens": 1}, False),
+    ({"response_format": {"type": "text"}, "min_tokens": 1}, True),
+]
+
+
+@pytest.mark.parametrize("fields, served", CONSTRAINT_BODIES)
+def test_the_schema_states_the_constraint_rules_the_server_applies(url, fields, served):
+    document = httpx.get(f"{url}/openapi.json", timeout=10).json()
+    schema = {"$ref": "#/components/schemas/CompletionRequest", **document}
+    body = {"model": "pydoc-tiny", "prompt": "a", "max_tokens": 2, **fields}
+    valid = jsonschema.Draft202012Validator(schema).is_valid(body)
+    response = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert (valid, response.status_code) == (served, 200 if served else 400), response.text

@@ -8,11 +8,14 @@ know from the request models.
 - The error statuses it answers, all in OpenAI's error shape: 400 for any invalid request
   (FastAPI's 422 never happens), 404 for a model it does not serve, 401 with an API key,
   413, 429 and 503; ``/health``'s 503.
+- The rules between fields JSON Schema can state: ``stream_options`` only with a stream,
+  ``response_format``'s ``json_schema`` exactly with its type, one kind of
+  ``structured_outputs`` and one constraint a request, no ``min_tokens`` with one.
 - That streams are ``text/event-stream`` and ``/metrics`` is Prometheus text.
 
-Some checks depend on more than one field (the prompt's tokens plus ``max_tokens`` within
-the context): a request the schema allows can still get 400 for these, as the 400
-response's description says. Without a chat template the chat endpoint is left out.
+Some checks compare values of several fields (the prompt's tokens plus ``max_tokens``
+within the context, say): a request the schema allows can still get 400 for these, as the
+400 response's description says. Without a chat template the chat endpoint is left out.
 """
 
 from __future__ import annotations
@@ -75,6 +78,62 @@ _TOP_LOGPROBS_NEED_LOGPROBS = {  # chat's top_logprobs (not null) only with logp
     "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
     "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
 }
+_NOT_NULL = {"not": {"type": "null"}}
+# response_format: json_schema (with its schema) exactly with type json_schema.
+_JSON_SCHEMA_WITH_ITS_TYPE = {
+    "if": {"properties": {"type": {"const": "json_schema"}}},
+    "then": {
+        "required": ["json_schema"],
+        "properties": {
+            "json_schema": {"required": ["schema"], "properties": {"schema": {"type": "object"}}}
+        },
+    },
+    "else": {"properties": {"json_schema": {"type": "null"}}},
+}
+_STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# structured_outputs: exactly one kind given (not null), json_object only as true.
+_ONE_STRUCTURED_OUTPUT_KIND = [
+    {
+        "oneOf": [
+            {"required": [kind], "properties": {kind: _NOT_NULL}}
+            for kind in _STRUCTURED_OUTPUT_KINDS
+        ]
+    },
+    {"properties": {"json_object": {"enum": [True, None]}}},
+]
+_CONSTRAINED = {  # a request whose output is constrained (structured_outputs or JSON)
+    "anyOf": [
+        {"required": ["structured_outputs"], "properties": {"structured_outputs": _NOT_NULL}},
+        {
+            "required": ["response_format"],
+            "properties": {
+                "response_format": {
+                    "required": ["type"],
+                    "properties": {"type": {"enum": ["json_object", "json_schema"]}},
+                }
+            },
+        },
+    ]
+}
+_CONSTRAINTS_ALONE = [
+    {  # one constraint: structured_outputs with a plain-text response_format at most
+        "if": {"required": ["structured_outputs"], "properties": {"structured_outputs": _NOT_NULL}},
+        "then": {
+            "properties": {
+                "response_format": {
+                    "anyOf": [
+                        {"type": "null"},
+                        {"properties": {"type": {"const": "text"}}},
+                    ]
+                }
+            }
+        },
+    },
+    {  # min_tokens does not hold a grammar open: 0 (or absent) with a constraint
+        "if": _CONSTRAINED,
+        "then": {"properties": {"min_tokens": {"const": 0}}},
+    },
+]
 _CONTENT_UNLESS_ASSISTANT = {  # content may be null (or absent) for an assistant only
     "if": {"properties": {"role": {"const": "assistant"}}},
     "else": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
@@ -82,8 +141,10 @@ _CONTENT_UNLESS_ASSISTANT = {  # content may be null (or absent) for an assistan
 
 _ERRORS = {
     "400": "Invalid request: a field out of its bounds, malformed JSON, a string that is not "
-    "Unicode text, or a check the schema cannot express (the prompt's tokens plus "
-    "max_tokens beyond the context).",
+    "Unicode text, or a check the schema cannot express: the prompt's tokens plus "
+    "max_tokens beyond the context, prompts x n (or best_of) past the choices one request "
+    "may ask for, max_tokens and max_completion_tokens that disagree, a structured output "
+    "its compiler refuses.",
     "401": "Missing or wrong API key (Authorization: Bearer KEY).",
     "404": "No model of that id is served.",
     "413": "The request body exceeds the server's limit.",
@@ -175,13 +236,17 @@ def _amend(
         for field, bound in {**bounds, **overrides}.items():
             if field in properties:
                 _bound(properties[field], bound)
-        rules = [_STREAM_OPTIONS_NEED_STREAM]
+        rules = [_STREAM_OPTIONS_NEED_STREAM, *_CONSTRAINTS_ALONE]
         if name == "CompletionRequest":
             rules += [_ZERO_TOKENS_NEED_ECHO, _PROMPT_LOGPROBS_UNSTREAMED]
         else:
             rules.append(_TOP_LOGPROBS_NEED_LOGPROBS)
         if name in schemas:
             schemas[name]["allOf"] = rules
+    if "ResponseFormat" in schemas:
+        schemas["ResponseFormat"]["allOf"] = [_JSON_SCHEMA_WITH_ITS_TYPE]
+    if "StructuredOutputs" in schemas:
+        schemas["StructuredOutputs"]["allOf"] = _ONE_STRUCTURED_OUTPUT_KIND
     message = schemas.get("ChatMessage")
     if message is not None:  # tool messages and tool calls are refused
         message["properties"]["role"]["enum"].remove("tool")
