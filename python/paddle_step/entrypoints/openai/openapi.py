@@ -32,6 +32,7 @@ from .protocol import (
     MAX_CHOICES,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_STOP_TOKEN_IDS,
+    StructuredOutputs,
 )
 
 __all__ = ["install_openapi"]
@@ -90,7 +91,10 @@ _JSON_SCHEMA_WITH_ITS_TYPE = {
     },
     "else": {"properties": {"json_schema": {"type": "null"}}},
 }
-_STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# Its fields as JSON names them (``json`` is an alias).
+_STRUCTURED_OUTPUT_KINDS = [
+    field.alias or name for name, field in StructuredOutputs.model_fields.items()
+]
 # structured_outputs: exactly one kind given (not null), json_object only as true.
 _ONE_STRUCTURED_OUTPUT_KIND = [
     {
