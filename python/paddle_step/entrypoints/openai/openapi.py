@@ -105,9 +105,14 @@ _ONE_STRUCTURED_OUTPUT_KIND = [
     },
     {"properties": {"json_object": {"enum": [True, None]}}},
 ]
+# A request that gives structured_outputs (not null).
+_STRUCTURED_OUTPUTS_GIVEN = {
+    "required": ["structured_outputs"],
+    "properties": {"structured_outputs": _NOT_NULL},
+}
 _CONSTRAINED = {  # a request whose output is constrained (structured_outputs or JSON)
     "anyOf": [
-        {"required": ["structured_outputs"], "properties": {"structured_outputs": _NOT_NULL}},
+        _STRUCTURED_OUTPUTS_GIVEN,
         {
             "required": ["response_format"],
             "properties": {
@@ -121,7 +126,7 @@ _CONSTRAINED = {  # a request whose output is constrained (structured_outputs or
 }
 _CONSTRAINTS_ALONE = [
     {  # one constraint: structured_outputs with a plain-text response_format at most
-        "if": {"required": ["structured_outputs"], "properties": {"structured_outputs": _NOT_NULL}},
+        "if": _STRUCTURED_OUTPUTS_GIVEN,
         "then": {
             "properties": {
                 "response_format": {
