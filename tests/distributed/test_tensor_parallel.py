@@ -5,6 +5,7 @@ on both ranks (``--check-ranks``), and catching a planted divergence."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -314,7 +315,7 @@ def test_server_with_tp2_serves_tp1_text_and_frees_everything(tmp_path):
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_for_health(url, process, LAUNCH_TIMEOUT_S)
+        wait_for_health(url, process, LAUNCH_TIMEOUT_S, functools.partial(_rank_logs, tmp_path))
         prompts = ["Hello there", "The engine", "a b c d e f", "paged attention", "x"]
         engine, loaded = build_engine(serve_parse_args(flags))
         ids = [loaded.tokenizer.encode(prompt) for prompt in prompts]
@@ -379,6 +380,14 @@ def _launch_server(tmp_path: Path, port: int, *flags: str) -> subprocess.Popen:
     )  # fmt: skip
 
 
+def _rank_logs(log_dir: Path) -> str:
+    """The ends of the ranks' logs, for a server that did not start."""
+    return "\n".join(
+        f"{path.name}:\n{path.read_text(errors='replace')[-900:]}"
+        for path in sorted(log_dir.glob("workerlog.*"))
+    )
+
+
 def _rank_process(launcher: int, rank: int) -> int:
     """The pid of the launcher's ``rank`` (its serve process)."""
     for pid in descendants(launcher):
@@ -439,7 +448,9 @@ def _served_on_two_ranks(
     url = f"http://127.0.0.1:{port}"
     pids: list[int] = []
     try:
-        wait_for_health(url, process, LAUNCH_TIMEOUT_S)
+        wait_for_health(
+            url, process, LAUNCH_TIMEOUT_S, functools.partial(_rank_logs, tmp_path / "log")
+        )
         pids = descendants(process.pid)
         yield process, url, pids
     finally:

@@ -8,6 +8,7 @@ where only the runtime packages are."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -34,11 +35,36 @@ __all__ = [
 ]
 
 
+# paddle.distributed.launch gives its ranks ports from this range (its PORT_RANGE default).
+_LAUNCHER_PORTS_START = 35100
+_LOWEST_PORT = 10000
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now, below the ports others are given without asking
+    for one: the kernel's ephemeral range (bind to port 0, outgoing connections) and
+    paddle.distributed.launch's. Between this probe and the server's bind (a second or
+    more for a launcher) nothing else then takes it by chance, as a port the kernel picked
+    could be."""
+    start = min(_ephemeral_ports_start(), _LAUNCHER_PORTS_START)
+    draw = random.SystemRandom()  # not the tests' seeded generator
+    for _ in range(100):
+        port = draw.randrange(_LOWEST_PORT, start) if start > _LOWEST_PORT else 0
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return probe.getsockname()[1]
+    raise RuntimeError(f"no free TCP port in [{_LOWEST_PORT}, {start}) on 127.0.0.1")
+
+
+def _ephemeral_ports_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            return int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def wait_for_health(

@@ -1,11 +1,19 @@
 """``python -m paddle_step.serve`` refusing to start: without the serving stack, or with a
-flag out of range, one line says why before any model is loaded."""
+flag out of range, one line says why before any model is loaded; and the address it binds
+before loading, held until it serves there."""
 
+import errno
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
+import urllib.request
 
 import pytest
+
+from paddle_step.testing.server_process import free_port
 
 
 def test_missing_serving_stack_is_named_in_one_line():
@@ -50,6 +58,60 @@ def test_a_port_in_use_is_refused_before_loading():
         f"paddle_step.serve: cannot listen on 127.0.0.1:{port}: Address already in use"
     )
     assert "engine process" not in done.stderr  # no model was loaded
+
+
+def test_the_port_is_held_while_the_model_loads(monkeypatch):
+    """Bound before the model loads and kept until uvicorn listens on it. A port checked
+    and let go could be handed to something else meanwhile: a --tp 2 server's collectives
+    took it, and uvicorn failed (exit 3) once the model had loaded."""
+    from paddle_step.entrypoints.openai import cli
+
+    port = free_port()
+    binds = []
+
+    def build_app(_args):
+        with socket.socket() as other:
+            binds.append(other.connect_ex(("127.0.0.1", port)))  # not listening yet
+            try:
+                other.bind(("127.0.0.1", port))
+                binds.append(0)
+            except OSError as error:
+                binds.append(error.errno)
+        raise ValueError("the model could not load")
+
+    monkeypatch.setattr(cli, "build_app", build_app)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--port", str(port)])
+    assert exited.value.code == "paddle_step.serve: the model could not load"
+    assert binds == [errno.ECONNREFUSED, errno.EADDRINUSE]
+    with socket.socket() as after:  # let go when the server does not start
+        after.bind(("127.0.0.1", port))
+
+
+def test_port_0_serves_on_a_free_port_and_says_which(tmp_path):
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "paddle_step.serve", "--port", "0"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (
+            found := re.search(r"running on http://127\.0\.0\.1:(\d+) ", log_path.read_text())
+        ):
+            assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        port = int(found.group(1))
+        assert port != 0
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as answer:
+            assert answer.status == 200
+        process.terminate()
+        assert process.wait(60) == -signal.SIGTERM, log_path.read_text()  # 143 in a shell
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
 
 
 @pytest.mark.parametrize("flag", ["--host", "--served-model-name", "--api-key"])

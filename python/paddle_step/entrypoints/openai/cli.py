@@ -15,6 +15,7 @@ import asyncio
 import functools
 import importlib.util
 import ipaddress
+import logging
 import os
 import signal
 import socket
@@ -190,8 +191,9 @@ def main(argv: list[str] | None = None) -> None:
         previous[signal.SIGINT] = signal.signal(
             signal.SIGINT, functools.partial(_interrupt, stopped_by)
         )
-    if rank == 0:
-        _refuse_a_taken_address(args.host, args.port)  # before the model loads, not after
+    # Rank 0 binds its address before the model loads: a taken one is refused at once, and
+    # the port stays this server's while it loads (seconds to minutes).
+    listening = _bind(args.host, args.port) if rank == 0 else None
     try:
         if rank == 0:
             app, loop = build_app(args)
@@ -199,6 +201,8 @@ def main(argv: list[str] | None = None) -> None:
             follower = EngineLoop(args)
             follower.start()
     except BaseException as error:
+        if listening is not None:
+            listening.close()
         # A stop signal before serving (the engine is stopped), however it surfaced: the
         # exception it raises may come back wrapped in a library's own error (pydantic-core
         # building a schema reports it as a SchemaError).
@@ -225,13 +229,14 @@ def main(argv: list[str] | None = None) -> None:
     server = _server(app, loop, args)
     threading.Thread(target=_exit_after_failure, args=(loop, server), daemon=True).start()
     try:
-        server.run()
+        server.run(sockets=[listening])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down
         raise SystemExit(130) from None
     finally:
-        # Also when uvicorn fails before its shutdown stops the engine (a bind error):
+        # Also when uvicorn fails before its shutdown stops the engine (it cannot listen):
         # the engine process ignores SIGTERM, so interpreter exit would wait on it forever.
         loop.stop()
+        listening.close()
     if loop.failure is not None:
         raise SystemExit(f"paddle_step.serve: exiting with status 1 ({loop.failure})")
 
@@ -245,6 +250,15 @@ def _server(app, loop: EngineLoop, args: argparse.Namespace):
     drain_s = args.shutdown_timeout
 
     class DrainingServer(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:  # uvicorn says where only for a socket it bound itself
+                host, port = sockets[0].getsockname()[:2]
+                address = f"[{host}]" if ":" in host else host
+                logging.getLogger("uvicorn.error").info(
+                    "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", address, port
+                )
+
         async def shutdown(self, sockets=None) -> None:
             loop.refuse_new("the server is shutting down")
             message = f"the server shut down before the request finished ({drain_s:g} s drain)"
@@ -265,19 +279,25 @@ def _server(app, loop: EngineLoop, args: argparse.Namespace):
     return DrainingServer(config)
 
 
-def _refuse_a_taken_address(host: str, port: int) -> None:
-    """Exits with one line when ``host:port`` cannot be bound (in use, or not this
-    machine's), binding it as uvicorn will (SO_REUSEADDR) and letting it go at once."""
-    if port == 0:
-        return
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` as uvicorn binds (SO_REUSEADDR), not yet listening,
+    for uvicorn to serve on; exits with one line when the address cannot be bound (in use,
+    or not this machine's). Held while the model loads, the port cannot be given to
+    anything else meanwhile: a free port let go then could be (the kernel hands ports of
+    its ephemeral range to outgoing connections and to bind(0), as the ranks' collectives
+    use), and uvicorn failed only once the model had loaded."""
+    bound = None
     try:
         family, kind, proto, _name, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind(address)
+        bound = socket.socket(family, kind, proto)
+        bound.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        bound.bind(address)
+        return bound
     except OSError as error:
+        if bound is not None:
+            bound.close()
         raise SystemExit(
             f"paddle_step.serve: cannot listen on {host}:{port}: {error.strerror or error}"
         ) from None
