@@ -38,6 +38,7 @@ __all__ = [
 # paddle.distributed.launch gives its ranks ports from this range (its PORT_RANGE default).
 _LAUNCHER_PORTS_START = 35100
 _LOWEST_PORT = 10000
+_HANDED_OUT: set[int] = set()
 
 
 def free_port() -> int:
@@ -45,7 +46,8 @@ def free_port() -> int:
     for one: the kernel's ephemeral range (bind to port 0, outgoing connections) and
     paddle.distributed.launch's. Between this probe and the server's bind (a second or
     more for a launcher) nothing else then takes it by chance, as a port the kernel picked
-    could be."""
+    could be. Never the same port twice in one process (a server's and its launcher's
+    master port are drawn one after the other, both still free)."""
     start = min(_ephemeral_ports_start(), _LAUNCHER_PORTS_START)
     draw = random.SystemRandom()  # not the tests' seeded generator
     for _ in range(100):
@@ -55,7 +57,10 @@ def free_port() -> int:
                 probe.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return probe.getsockname()[1]
+            port = probe.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
     raise RuntimeError(f"no free TCP port in [{_LOWEST_PORT}, {start}) on 127.0.0.1")
 
 
