@@ -117,8 +117,10 @@ class Engine:
                 f"[0, {vocab_size}), got {eos_token_ids!r}"
             )
         self.eos_token_ids = tuple(int(token) for token in ids)
-        self.scheduler = Scheduler(config)
+        # The runner first: it refuses a cache or slot state past the memory, naming the
+        # sizes, before the scheduler's block lists could fail without a word.
         self.runner = ModelRunner(model, config)
+        self.scheduler = Scheduler(config)
         if self.runner.state.place.is_cpu_place():
             keep_freed_memory()  # a step's buffers reuse the last step's pages
         self.stats = GenerationStats()

@@ -41,10 +41,11 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig) -> None:
         self.model = model
         self.config = config
-        self.state = ShareInputs(config)
+        # The cache first: past the memory, its refusal names the flag that sized it.
         self.kv_cache = PagedKVCache.for_config(
             model.config, config.num_kv_blocks, config.block_size, config.kv_cache_dtype
         )
+        self.state = ShareInputs(config)
 
     def _row_writer(self, slots: list[int]):
         """``write(tensor, values)``: rows ``slots`` of ``tensor`` = ``values`` (one per

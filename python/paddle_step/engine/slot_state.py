@@ -18,6 +18,7 @@ import numpy as np
 import paddle
 
 from ..config import EngineConfig
+from ..host_memory import available_memory_bytes
 from ..spec.check_state import check_state
 from ..spec.tensor_table import STEP_PADDLE_TENSORS
 from .request import MAX_LOGIT_BIAS, MAX_STOP_IDS
@@ -56,6 +57,9 @@ class ShareInputs:
     ) -> None:
         batch, width = config.max_batch, config.max_model_len
         total, pool = config.num_kv_blocks, config.num_decoder_blocks
+        in_host_memory = paddle.get_device() == "cpu" if place is None else "cpu" in str(place)
+        if in_host_memory:
+            _check_fits_in_memory(config)
 
         def tensor(values: np.ndarray) -> paddle.Tensor:
             return paddle.to_tensor(values, place=place)
@@ -128,6 +132,27 @@ class ShareInputs:
             num_blocks=config.num_kv_blocks,
             decoder_blocks=range(config.num_encoder_blocks, config.num_kv_blocks),
             shared_prompt_blocks=range(config.num_encoder_blocks),
+        )
+
+
+def _check_fits_in_memory(config: EngineConfig) -> None:
+    """Raises ``MemoryError`` naming the sizes when the slot state needs more than the
+    machine has available (NumPy's or Python's refusal names neither flag)."""
+    per_slot = (
+        3 * 8 * config.max_model_len  # input, generated and prompt ids
+        + 4 * config.blocks_per_seq
+        + 8 * MAX_STOP_IDS
+        + 12 * MAX_LOGIT_BIAS
+        + 128  # the scalars
+    )
+    needed = config.max_batch * per_slot
+    available = available_memory_bytes()
+    if available is not None and needed > available:
+        raise MemoryError(
+            f"the slot state needs {needed / 2**30:.1f} GiB (max_batch {config.max_batch} "
+            f"slots x max_model_len {config.max_model_len} token ids of 3 kinds in int64), "
+            f"more than the {available / 2**30:.1f} GiB available: a smaller --max-batch "
+            "or --max-model-len"
         )
 
 
