@@ -261,6 +261,37 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(served, offline, keep):
     assert (chat.choices[0].message.content, chat.usage.prompt_tokens) == (expected, keep)
 
 
+def test_truncate_prompt_tokens_takes_a_prompt_longer_than_the_context(served, offline):
+    """What truncation is for: a text far past what the context can hold, refused before
+    tokenizing without it, is cut to its last k tokens. -1 keeps the context's worth
+    (vLLM's reading): a short prompt whole, a long one with no room left to generate."""
+    base_url, _loop = served
+    api = client(base_url)
+    text = "The engine serves many requests at once. " * 1500  # 61 kB
+    prompt_ids = offline.tokenizer.encode(text)
+    expected, _reason, _count = offline(prompt_ids[-5:], 8)
+    keep_5, keep_context = {"truncate_prompt_tokens": 5}, {"truncate_prompt_tokens": -1}
+    response = api.completions.create(model="llama-tiny", prompt=text, max_tokens=8,
+                                      temperature=0, extra_body=keep_5)  # fmt: skip
+    assert (response.choices[0].text, response.usage.prompt_tokens) == (expected, 5)
+    messages = [{"role": "user", "content": text}]
+    chat_ids = offline.tokenizer.encode_chat(messages)
+    expected, _reason, _count = offline(chat_ids[-5:], 8)
+    chat = api.chat.completions.create(model="llama-tiny", messages=messages, max_tokens=8,
+                                       temperature=0, extra_body=keep_5)  # fmt: skip
+    assert (chat.choices[0].message.content, chat.usage.prompt_tokens) == (expected, 5)
+    with pytest.raises(openai.BadRequestError, match="longer than the model's context"):
+        api.completions.create(model="llama-tiny", prompt=text, max_tokens=8)
+    with pytest.raises(openai.BadRequestError, match=r"\(64 tokens\) leaves no room"):
+        api.completions.create(model="llama-tiny", prompt=text, max_tokens=8,
+                               extra_body=keep_context)  # fmt: skip
+    short_ids = offline.tokenizer.encode(PROMPTS[6])
+    expected, _reason, _count = offline(short_ids, 8)
+    whole = api.completions.create(model="llama-tiny", prompt=PROMPTS[6], max_tokens=8,
+                                   temperature=0, extra_body=keep_context)  # fmt: skip
+    assert (whole.choices[0].text, whole.usage.prompt_tokens) == (expected, len(short_ids))
+
+
 CONTINUED = [
     {"role": "user", "content": "Hello, who are you?"},
     {"role": "assistant", "content": "I am"},

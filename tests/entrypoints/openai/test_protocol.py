@@ -146,7 +146,7 @@ BAD_COMPLETIONS = [
     ({"n": 257}, "n"),
     ({"best_of": 257}, "best_of"),
     ({"min_tokens": 2, "response_format": {"type": "json_object"}}, "min_tokens"),
-    ({"truncate_prompt_tokens": -1}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
 ]
 
 

@@ -252,10 +252,13 @@ def create_app(
         body.check(vocab_size)
         prompts = body.prompts()
         for prompt in prompts:
-            if isinstance(prompt, str):
+            if isinstance(prompt, str) and body.truncate_prompt_tokens is None:
                 check_prompt_size(len(prompt.encode()), "prompt")
         prompt_ids_list = [
-            body.truncated(list(prompt) if isinstance(prompt, list) else tokenizer.encode(prompt))
+            body.truncated(
+                list(prompt) if isinstance(prompt, list) else tokenizer.encode(prompt),
+                max_model_len,
+            )
             for prompt in prompts
         ]
         runs: list[_Run] = []
@@ -279,9 +282,12 @@ def create_app(
         _check_text(body)
         body.check(vocab_size)
         messages = [message.for_template() for message in body.messages]
-        check_prompt_size(sum(len(m["content"].encode()) for m in messages), "messages")
+        if body.truncate_prompt_tokens is None:  # a longer one is what truncation is for
+            check_prompt_size(sum(len(m["content"].encode()) for m in messages), "messages")
         try:
-            prompt_ids = body.truncated(tokenizer.encode_chat(messages, body.template_options()))
+            prompt_ids = body.truncated(
+                tokenizer.encode_chat(messages, body.template_options()), max_model_len
+            )
         except (ValueError, TemplateError) as error:
             raise ApiError(f"'messages': {error}", param="messages") from None
         check_model_and_prompt(body, prompt_ids)

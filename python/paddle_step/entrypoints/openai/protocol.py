@@ -297,7 +297,7 @@ class _RequestFields(_Strict):
     # SamplingParams.
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
-    truncate_prompt_tokens: Integer | None = None  # keep a prompt's last k tokens
+    truncate_prompt_tokens: Integer | None = None  # keep a prompt's last k tokens (-1: context)
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -366,19 +366,23 @@ class _RequestFields(_Strict):
                 f"grammar is complete, got {self.min_tokens}",
                 param="min_tokens",
             )
-        _refuse_unless(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
-                       "truncate_prompt_tokens", "an integer >= 1 (the prompt tokens kept)",
-                       self.truncate_prompt_tokens)  # fmt: skip
+        keep = self.truncate_prompt_tokens
+        _refuse_unless(keep is None or keep >= 1 or keep == -1, "truncate_prompt_tokens",
+                       "an integer >= 1 (the prompt tokens kept) or -1 (the model's context)",
+                       keep)  # fmt: skip
         if self.stream_options is not None and not self.stream:
             raise ApiError(
                 "'stream_options': only allowed with 'stream': true, got stream false",
                 param="stream_options",
             )
 
-    def truncated(self, prompt_ids: list[int]) -> list[int]:
-        """``prompt_ids`` cut to their last ``truncate_prompt_tokens`` (vLLM's extension)."""
+    def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """``prompt_ids`` cut to their last ``truncate_prompt_tokens``, -1 meaning
+        ``max_model_len`` (vLLM's extension)."""
         keep = self.truncate_prompt_tokens
-        return prompt_ids if keep is None else prompt_ids[-keep:]
+        if keep is None:
+            return prompt_ids
+        return prompt_ids[-(max_model_len if keep == -1 else keep) :]
 
     def token_bias(self, vocab_size: int) -> dict[int, float]:
         """``logit_bias`` with its keys (token ids as strings, as JSON has them) as ints."""
