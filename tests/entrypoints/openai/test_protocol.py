@@ -266,10 +266,16 @@ def test_bad_chat_fields_are_refused_by_name(fields, param):
     assert error.value.param == param and f"'{param}'" in error.value.message
 
 
-def test_chat_fields_that_ask_for_no_tool_call_storage_or_audio_are_accepted():
+def test_chat_fields_that_ask_for_what_the_server_does_anyway_are_accepted():
     chat(tools=[], tool_choice="none", functions=None, parallel_tool_calls=None).check(VOCAB)
     chat(tool_choice="auto", function_call="auto", parallel_tool_calls=False).check(VOCAB)
     chat(store=False, modalities=["text"]).check(VOCAB)
+    chat(service_tier="auto", metadata={"team": "search"}).check(VOCAB)
+    chat(service_tier="default", metadata={}).check(VOCAB)
+    # A client that sends every field it knows, null when unset.
+    chat(audio=None, prediction=None, reasoning_effort=None, web_search_options=None,
+         service_tier=None, metadata=None).check(VOCAB)  # fmt: skip
+    completion(suffix=None).check(VOCAB)
 
 
 REFUSED_NO_TOOLS_FIELDS = [
@@ -281,6 +287,14 @@ REFUSED_NO_TOOLS_FIELDS = [
     {"modalities": ["text", "audio"]},
     {"modalities": ["audio"]},
     {"modalities": []},
+    {"service_tier": "flex"},
+    {"metadata": {"n": 1}},
+    {"metadata": {"k" * 65: "v"}},
+    {"metadata": {str(key): "v" for key in range(17)}},
+    {"audio": {"voice": "alloy", "format": "wav"}},
+    {"prediction": {"type": "content", "content": "x"}},
+    {"reasoning_effort": "low"},
+    {"web_search_options": {}},
 ]
 
 
@@ -297,6 +311,31 @@ def test_store_other_than_false_says_nothing_is_stored(store, got):
         chat(store=store)
     [first] = error.value.errors()
     assert first["msg"] == f"this server stores no completions: expected false or null, got {got}"
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"service_tier": "priority"},
+         'this server has one tier: expected "auto", "default" or null, got "priority"'),
+        ({"audio": {"voice": "alloy"}},
+         'audio output is not supported by this server: expected null, got {"voice": "alloy"}'),
+        ({"reasoning_effort": "high"},
+         'reasoning effort is not supported by this server: expected null, got "high"'),
+    ],
+    ids=["service_tier", "audio", "reasoning_effort"],
+)  # fmt: skip
+def test_a_field_the_server_does_not_do_says_what_it_takes(fields, message):
+    with pytest.raises(ValidationError) as error:
+        chat(**fields)
+    [first] = error.value.errors()
+    assert first["msg"] == message
+    with pytest.raises(ValidationError) as error:
+        completion(suffix="def f():")
+    [first] = error.value.errors()
+    assert first["msg"] == (
+        'insertion (suffix) is not supported by this server: expected null, got "def f():"'
+    )
 
 
 def test_a_tool_choice_that_asks_for_a_call_says_tools_are_not_supported():

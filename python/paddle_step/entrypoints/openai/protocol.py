@@ -454,7 +454,7 @@ class CompletionRequest(_RequestFields):
     logprobs: Integer | None = None
     prompt_logprobs: Integer | None = None  # vLLM's extension
     best_of: Integer | None = None
-    suffix: None = None  # insertion is not supported: only null is accepted
+    suffix: Annotated[None, BeforeValidator(_only_null("insertion (suffix)"))] = None
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: each prompt as text or token ids."""
@@ -585,6 +585,32 @@ def _no_tool_call(value):
 NoToolCall = Annotated[Literal["none", "auto"] | None, BeforeValidator(_no_tool_call)]
 
 
+def _one_tier(value):
+    if value in (None, "auto", "default"):
+        return value
+    raise PydanticCustomError(
+        "service_tier",
+        'this server has one tier: expected "auto", "default" or null, got {got}',
+        {"got": json.dumps(value)},
+    )
+
+
+def _only_null(what: str):
+    """A validator that takes only null for a field asking for ``what``, which this server
+    does not do."""
+
+    def check(value):
+        if value is None:
+            return value
+        raise PydanticCustomError(
+            "not_supported",
+            f"{what} is not supported by this server: expected null, got {{got}}",
+            {"got": json.dumps(value)[:80]},
+        )
+
+    return check
+
+
 def _not_stored(value):
     if value is None or value is False:  # not 0, which equals False
         return value
@@ -613,6 +639,24 @@ class ChatCompletionRequest(_RequestFields):
     # Accepted where they ask for what the server does anyway: store nothing, output text.
     store: Annotated[Literal[False] | None, BeforeValidator(_not_stored)] = None
     modalities: Annotated[list[Literal["text"]], Field(min_length=1, max_length=1)] | None = None
+    service_tier: Annotated[Literal["auto", "default"] | None, BeforeValidator(_one_tier)] = None
+    # Tags for the operator, as ``user`` is (OpenAI's limits: 16 pairs, keys of up to 64
+    # characters, values of up to 512); they do not change the output.
+    metadata: (
+        Annotated[
+            dict[
+                Annotated[StrictStr, Field(max_length=64)],
+                Annotated[StrictStr, Field(max_length=512)],
+            ],
+            Field(max_length=16),
+        ]
+        | None
+    ) = None
+    # What the server does not do: only null (a client that sends every field) is taken.
+    audio: Annotated[None, BeforeValidator(_only_null("audio output"))] = None
+    prediction: Annotated[None, BeforeValidator(_only_null("a predicted output"))] = None
+    reasoning_effort: Annotated[None, BeforeValidator(_only_null("reasoning effort"))] = None
+    web_search_options: Annotated[None, BeforeValidator(_only_null("web search"))] = None
     # vLLM's chat template extensions.
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
