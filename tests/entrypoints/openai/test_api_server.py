@@ -334,6 +334,11 @@ BAD_REQUESTS = [
     ("JSON null", b"null", "expected a JSON object body, got null"),
     ("not UTF-8", b'{"prompt": "\xff"}', "the body is not UTF-8 text: 'utf-8' codec can't decode"),
     (
+        "nested too deeply",
+        b'{"prompt": "hi", "logit_bias": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        "the body's JSON is nested too deeply to parse",
+    ),
+    (
         "curl -d's form type",
         (b'{"prompt": "hi"}', "application/x-www-form-urlencoded"),
         "Content-Type application/json, got Content-Type 'application/x-www-form-urlencoded'",
@@ -400,7 +405,8 @@ BAD_REQUESTS = [
     (
         "a long value, cut",
         {"prompt": "hi", "suffix": "y" * 500},
-        f"'suffix': Input should be None, got \"{'y' * 76}...",
+        f"'suffix': insertion (suffix) is not supported by this server: expected null, "
+        f'got "{"y" * 76}...',
     ),
     (
         "best_of with a schema",

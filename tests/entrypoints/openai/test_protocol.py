@@ -319,9 +319,9 @@ def test_store_other_than_false_says_nothing_is_stored(store, got):
         ({"service_tier": "priority"},
          'this server has one tier: expected "auto", "default" or null, got "priority"'),
         ({"audio": {"voice": "alloy"}},
-         'audio output is not supported by this server: expected null, got {"voice": "alloy"}'),
+         "audio output is not supported by this server: expected null"),
         ({"reasoning_effort": "high"},
-         'reasoning effort is not supported by this server: expected null, got "high"'),
+         "reasoning effort is not supported by this server: expected null"),
     ],
     ids=["service_tier", "audio", "reasoning_effort"],
 )  # fmt: skip
@@ -333,9 +333,7 @@ def test_a_field_the_server_does_not_do_says_what_it_takes(fields, message):
     with pytest.raises(ValidationError) as error:
         completion(suffix="def f():")
     [first] = error.value.errors()
-    assert first["msg"] == (
-        'insertion (suffix) is not supported by this server: expected null, got "def f():"'
-    )
+    assert first["msg"] == "insertion (suffix) is not supported by this server: expected null"
 
 
 def test_a_tool_choice_that_asks_for_a_call_says_tools_are_not_supported():

@@ -119,6 +119,8 @@ def create_app(
         message = str(error.detail)
         if isinstance(error.__cause__, UnicodeDecodeError):  # FastAPI's detail names no cause
             message = f"the body is not UTF-8 text: {error.__cause__}"
+        if isinstance(error.__cause__, RecursionError):  # past the parser's recursion limit
+            message = "the body's JSON is nested too deeply to parse"
         allowed = (error.headers or {}).get("Allow")
         if error.status_code == 405 and allowed:
             message = f"{request.url.path} takes {allowed}, got {request.method}"

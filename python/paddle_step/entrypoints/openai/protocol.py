@@ -602,10 +602,8 @@ def _only_null(what: str):
     def check(value):
         if value is None:
             return value
-        raise PydanticCustomError(
-            "not_supported",
-            f"{what} is not supported by this server: expected null, got {{got}}",
-            {"got": json.dumps(value)[:80]},
+        raise PydanticCustomError(  # the error handler adds the value, cut to length
+            "not_supported", f"{what} is not supported by this server: expected null"
         )
 
     return check
