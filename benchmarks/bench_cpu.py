@@ -71,6 +71,8 @@ OTHER_FORMATS = (
     ("llama.cpp", "q8_0"),
 )
 FORMAT_SHAPES = ("qwen2.5-0.5b",)
+# One precision under each engine's name: --formats float32 runs llama.cpp's f32 too.
+SAME_PRECISION = ({"float32", "f32"}, {"bfloat16", "bf16"})
 WORKERS = {
     "paddle_step": "bench_cpu_ours.py",
     "vllm": "bench_cpu_vllm.py",
@@ -476,7 +478,8 @@ def parse_args(argv=None):
     parser.add_argument(
         "--formats",
         default="all",
-        help="comma-separated formats, or 'all' (float32 and the others)",
+        help="comma-separated formats, or 'all' (float32 and the others); a precision "
+        "selects every engine's name for it (float32 = llama.cpp's f32, bfloat16 = bf16)",
     )
     parser.add_argument(
         "--from-json",
@@ -521,6 +524,9 @@ def parse_args(argv=None):
             f"--formats: unknown {sorted(args.formats - known_formats)}, "
             f"expected some of {sorted(known_formats)}"
         )
+    for names in SAME_PRECISION:
+        if args.formats & names:
+            args.formats |= names
     cores = len(os.sched_getaffinity(0))
     if args.threads:
         args.threads = tuple(int(t) for t in args.threads.split(","))

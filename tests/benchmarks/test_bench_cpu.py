@@ -122,3 +122,10 @@ def test_a_row_is_the_median_of_its_timed_generations():
     assert row == {"seconds": 2.0, "seconds_each": [3.0, 1.0, 2.0], "token_ids": [[1]]}
     once = repeats.median_of_repeats(lambda: {"seconds": 5.0, "token_ids": []}, 0)
     assert once["seconds_each"] == [5.0]
+
+
+def test_a_precision_selects_every_engines_name_for_it():
+    """--formats float32 left llama.cpp (whose name for it is f32) out without a word."""
+    assert BENCH.parse_args(["--formats", "float32"]).formats == {"float32", "f32"}
+    assert BENCH.parse_args(["--formats", "bf16,int8"]).formats == {"bfloat16", "bf16", "int8"}
+    assert BENCH.parse_args(["--formats", "q8_0"]).formats == {"q8_0"}
