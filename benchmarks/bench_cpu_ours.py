@@ -51,18 +51,24 @@ def load(path: str, fmt: str):
         return f"load_checkpoint({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}): {error}"
 
 
-def generate(model, prompts: list, new_tokens: int, threads: int) -> dict:
-    """Every prompt in its own slot, all admitted in the first step: the KV cache has room
-    for the whole batch in both block regions."""
-    batch = len(prompts)
+def engine_for(model, prompts: list, new_tokens: int, threads: int) -> Engine:
+    """An engine for one batch size, kept for its warm-up and timed generations as vLLM's
+    worker keeps its LLM: every prompt in its own slot, all admitted in the first step (the
+    KV cache has room for the whole batch in both block regions), and prefix caching off,
+    as for vLLM, so a repeat of the same prompts computes them again."""
     config = whole_batch_config(
-        batch,
+        len(prompts),
         max(map(len, prompts)) + new_tokens,
         BLOCK_SIZE,
         decoder_pool_ratio=0.5,
         threads=threads,
+        enable_prefix_caching=False,
     )
-    engine = Engine(model, config)
+    return Engine(model, config)
+
+
+def generate(engine: Engine, prompts: list, new_tokens: int) -> dict:
+    """A greedy generation of every prompt at once, timed from the first request added."""
     start = time.perf_counter()
     for prompt in prompts:
         engine.add_request(prompt, SamplingParams(max_tokens=new_tokens, eos_token_id=[]))
@@ -92,9 +98,10 @@ def main() -> None:
         report["skipped"] = model
     else:
         for run in job["runs"]:
-            generate(model, run["prompts"], job["warmup_tokens"], job["threads"])  # warm-up
+            engine = engine_for(model, run["prompts"], run["new_tokens"], job["threads"])
+            generate(engine, run["prompts"], job["warmup_tokens"])  # warm-up
             result = median_of_repeats(
-                lambda: generate(model, run["prompts"], run["new_tokens"], job["threads"]),
+                lambda: generate(engine, run["prompts"], run["new_tokens"]),
                 job.get("repeats", 1),
             )
             report["rows"].append(
