@@ -416,6 +416,29 @@ BAD_REQUESTS = [
 ]
 
 
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("store", 0, "'store': this server stores no completions: expected false or null, got 0"),
+        ("service_tier", "flex",
+         "'service_tier': this server has one tier: expected \"auto\", \"default\" or null, "
+         "got \"flex\""),
+        ("audio", {"voice": "alloy"},
+         "'audio': audio output is not supported by this server: expected null, got "
+         "{\"voice\": \"alloy\"}"),
+    ],
+)  # fmt: skip
+def test_a_chat_field_the_server_does_not_do_gets_400_naming_what_it_takes(
+    served, field, value, message
+):
+    base_url, _loop = served
+    body = {"model": "llama-tiny", "messages": [{"role": "user", "content": "hi"}], field: value}
+    response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"] == message
+    assert response.json()["error"]["param"] == field
+
+
 @pytest.mark.parametrize("what,body,message", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
 def test_bad_requests_get_400_and_server_keeps_serving(served, what, body, message):
     base_url, _loop = served

@@ -570,53 +570,30 @@ class ChatMessage(_Strict):
         return message
 
 
-def _no_tool_call(value):
-    if value in (None, "none", "auto"):
-        return value
-    raise PydanticCustomError(
-        "tool_choice",
-        'tool calls are not supported by this server: expected "none" or "auto", got {got}',
-        {"got": json.dumps(value)},
-    )
-
-
-# A choice that asks for no tool call: "none", or "auto", which OpenAI defines as the same
-# when no tools are given (and tools are refused).
-NoToolCall = Annotated[Literal["none", "auto"] | None, BeforeValidator(_no_tool_call)]
-
-
-def _one_tier(value):
-    if value in (None, "auto", "default"):
-        return value
-    raise PydanticCustomError(
-        "service_tier",
-        'this server has one tier: expected "auto", "default" or null, got {got}',
-        {"got": json.dumps(value)},
-    )
-
-
-def _only_null(what: str):
-    """A validator that takes only null for a field asking for ``what``, which this server
-    does not do."""
+def _only(allowed: tuple, refusal: str):
+    """A validator that passes the values of ``allowed`` (of their own JSON type: 0 is not
+    false) and refuses any other with ``refusal``, which says what the server takes (the
+    error handler adds the value received, cut to length)."""
 
     def check(value):
-        if value is None:
+        if any(value is each or (type(value) is type(each) and value == each) for each in allowed):
             return value
-        raise PydanticCustomError(  # the error handler adds the value, cut to length
-            "not_supported", f"{what} is not supported by this server: expected null"
-        )
+        raise PydanticCustomError("not_supported", refusal)
 
     return check
 
 
-def _not_stored(value):
-    if value is None or value is False:  # not 0, which equals False
-        return value
-    raise PydanticCustomError(
-        "store",
-        "this server stores no completions: expected false or null, got {got}",
-        {"got": json.dumps(value)},
-    )
+def _only_null(what: str):
+    """``_only`` null, for a field asking for ``what``, which this server does not do."""
+    return _only((None,), f"{what} is not supported by this server: expected null")
+
+
+# A choice that asks for no tool call: "none", or "auto", which OpenAI defines as the same
+# when no tools are given (and tools are refused).
+_NO_TOOLS = 'tool calls are not supported by this server: expected "none" or "auto"'
+NoToolCall = Annotated[
+    Literal["none", "auto"] | None, BeforeValidator(_only((None, "none", "auto"), _NO_TOOLS))
+]
 
 
 class ChatCompletionRequest(_RequestFields):
@@ -635,9 +612,17 @@ class ChatCompletionRequest(_RequestFields):
     function_call: NoToolCall = None
     parallel_tool_calls: StrictBool | None = None
     # Accepted where they ask for what the server does anyway: store nothing, output text.
-    store: Annotated[Literal[False] | None, BeforeValidator(_not_stored)] = None
+    store: Annotated[
+        Literal[False] | None,
+        BeforeValidator(_only((None, False),
+                              "this server stores no completions: expected false or null")),
+    ] = None  # fmt: skip
     modalities: Annotated[list[Literal["text"]], Field(min_length=1, max_length=1)] | None = None
-    service_tier: Annotated[Literal["auto", "default"] | None, BeforeValidator(_one_tier)] = None
+    service_tier: Annotated[
+        Literal["auto", "default"] | None,
+        BeforeValidator(_only((None, "auto", "default"),
+                              'this server has one tier: expected "auto", "default" or null')),
+    ] = None  # fmt: skip
     # Tags for the operator, as ``user`` is (OpenAI's limits: 16 pairs, keys of up to 64
     # characters, values of up to 512); they do not change the output.
     metadata: (
