@@ -39,6 +39,7 @@ import numpy as np
 __all__ = [
     "available_memory_bytes",
     "keep_freed_memory",
+    "refuse_past_available_memory",
     "return_freed_memory",
     "untouched_zeros",
 ]
@@ -92,6 +93,19 @@ def available_memory_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def refuse_past_available_memory(needed: int, what: str, sizes: str, remedy: str) -> None:
+    """Raises ``MemoryError`` ("``what`` needs X GiB (``sizes``), more than the Y GiB
+    available: ``remedy``") when ``needed`` bytes pass what the machine has available;
+    nothing where it does not say. Named at once, where NumPy's, Python's or paddle's own
+    refusal names no flag (paddle's comes after seconds of trying)."""
+    available = available_memory_bytes()
+    if available is not None and needed > available:
+        raise MemoryError(
+            f"{what} needs {needed / 2**30:.1f} GiB ({sizes}), more than the "
+            f"{available / 2**30:.1f} GiB available: {remedy}"
+        )
 
 
 def untouched_zeros(shape: Sequence[int], dtype: np.dtype | str) -> np.ndarray:

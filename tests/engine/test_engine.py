@@ -109,11 +109,10 @@ def test_a_batch_past_the_memory_is_refused_naming_its_sizes(
 ) -> None:
     """At once, before anything is allocated: a max_batch of 10^8 failed with a bare
     MemoryError (the scheduler's block list), and a server said only "out of memory"."""
-    import paddle_step.engine.slot_state as slot_state
-    import paddle_step.layers.paged_attention as paged_attention
+    import paddle_step.host_memory as host_memory
 
-    for module in (slot_state, paged_attention):  # what a machine of 16 GiB has
-        monkeypatch.setattr(module, "available_memory_bytes", lambda: 16 * 2**30)
+    # What a machine of 16 GiB has.
+    monkeypatch.setattr(host_memory, "available_memory_bytes", lambda: 16 * 2**30)
     huge = EngineConfig(max_batch=10**8, max_model_len=64, block_size=4, num_kv_blocks=64)
     named = r"slot state needs \d+\.\d GiB \(max_batch 100000000 slots x max_model_len 64 "
     with pytest.raises(MemoryError, match=named + r".*: a smaller --max-batch"):

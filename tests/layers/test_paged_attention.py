@@ -122,13 +122,13 @@ def test_slot_minus_one_writes_nothing() -> None:
 
 def test_a_cache_larger_than_the_available_memory_is_refused_with_its_size(monkeypatch) -> None:
     """Named at once, instead of paddle's ResourceExhausted dump after seconds of trying."""
-    import paddle_step.layers.paged_attention as paged_attention
+    import paddle_step.host_memory as host_memory
 
     # 10 blocks of 4 tokens, 2 layers, 2 KV heads of 8, float32: keys and values 10,240 B.
-    monkeypatch.setattr(paged_attention, "available_memory_bytes", lambda: 10_239)
+    monkeypatch.setattr(host_memory, "available_memory_bytes", lambda: 10_239)
     with pytest.raises(MemoryError, match=r"KV cache needs 0.0 GiB \(40 token slots x 2 layers"):
         PagedKVCache(10, 4, 2, 2, 8)
-    monkeypatch.setattr(paged_attention, "available_memory_bytes", lambda: 10_240)
+    monkeypatch.setattr(host_memory, "available_memory_bytes", lambda: 10_240)
     assert PagedKVCache(10, 4, 2, 2, 8).key.shape == [2, 40, 2, 8]
-    monkeypatch.setattr(paged_attention, "available_memory_bytes", lambda: None)  # not Linux
+    monkeypatch.setattr(host_memory, "available_memory_bytes", lambda: None)  # not Linux
     assert PagedKVCache(10, 4, 2, 2, 8).value.shape == [2, 40, 2, 8]

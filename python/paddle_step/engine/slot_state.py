@@ -18,7 +18,7 @@ import numpy as np
 import paddle
 
 from ..config import EngineConfig
-from ..host_memory import available_memory_bytes
+from ..host_memory import refuse_past_available_memory
 from ..spec.check_state import check_state
 from ..spec.tensor_table import STEP_PADDLE_TENSORS
 from .request import MAX_LOGIT_BIAS, MAX_STOP_IDS
@@ -136,8 +136,7 @@ class ShareInputs:
 
 
 def _check_fits_in_memory(config: EngineConfig) -> None:
-    """Raises ``MemoryError`` naming the sizes when the slot state needs more than the
-    machine has available (NumPy's or Python's refusal names neither flag)."""
+    """Refuses a slot state past the available memory, naming the sizes."""
     per_slot = (
         3 * 8 * config.max_model_len  # input, generated and prompt ids
         + 4 * config.blocks_per_seq
@@ -145,15 +144,13 @@ def _check_fits_in_memory(config: EngineConfig) -> None:
         + 12 * MAX_LOGIT_BIAS
         + 128  # the scalars
     )
-    needed = config.max_batch * per_slot
-    available = available_memory_bytes()
-    if available is not None and needed > available:
-        raise MemoryError(
-            f"the slot state needs {needed / 2**30:.1f} GiB (max_batch {config.max_batch} "
-            f"slots x max_model_len {config.max_model_len} token ids of 3 kinds in int64), "
-            f"more than the {available / 2**30:.1f} GiB available: a smaller --max-batch "
-            "or --max-model-len"
-        )
+    refuse_past_available_memory(
+        config.max_batch * per_slot,
+        "the slot state",
+        f"max_batch {config.max_batch} slots x max_model_len {config.max_model_len} token "
+        "ids of 3 kinds in int64",
+        "a smaller --max-batch or --max-model-len",
+    )
 
 
 def _writes_through_dlpack(tensor: paddle.Tensor) -> bool:

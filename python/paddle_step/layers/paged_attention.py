@@ -12,7 +12,7 @@ import paddle
 
 import paddle_step_ops as _library
 
-from ..host_memory import available_memory_bytes, untouched_zeros
+from ..host_memory import refuse_past_available_memory, untouched_zeros
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
@@ -49,19 +49,15 @@ def _dense(x: paddle.Tensor) -> paddle.Tensor:
 
 
 def _check_fits_in_memory(shape: list[int], dtype: str) -> None:
-    """Raises ``MemoryError`` naming the sizes when keys and values of ``shape`` need more
-    than the machine has available (paddle's own refusal comes after seconds of trying,
-    as a ResourceExhausted dump)."""
-    needed = 2 * math.prod(shape) * paddle.to_tensor([], dtype=dtype).element_size()
-    available = available_memory_bytes()
-    if available is not None and needed > available:
-        layers, slots, kv_heads, head_dim = shape
-        raise MemoryError(
-            f"the KV cache needs {needed / 2**30:.1f} GiB ({slots} token slots x {layers} "
-            f"layers x {kv_heads} KV heads x {head_dim}, keys and values in {dtype}), more "
-            f"than the {available / 2**30:.1f} GiB available: give it fewer blocks "
-            "(--kv-blocks, or a smaller --max-batch or --max-model-len)"
-        )
+    """Refuses keys and values of ``shape`` past the available memory, naming the sizes."""
+    layers, slots, kv_heads, head_dim = shape
+    refuse_past_available_memory(
+        2 * math.prod(shape) * paddle.to_tensor([], dtype=dtype).element_size(),
+        "the KV cache",
+        f"{slots} token slots x {layers} layers x {kv_heads} KV heads x {head_dim}, keys and "
+        f"values in {dtype}",
+        "give it fewer blocks (--kv-blocks, or a smaller --max-batch or --max-model-len)",
+    )
 
 
 def _zeros(shape: list[int], dtype: str) -> paddle.Tensor:
