@@ -12,10 +12,16 @@
 //
 // A worker that has finished a loop polls for a while (kSpinMicroseconds)
 // before it sleeps: the next product of a step usually comes within
-// microseconds, and waking a sleeping thread costs tens of them. It polls with
-// sched_yield, not a pure spin, so that any other thread ready on its core
-// (Paddle's own OpenMP threads between two products, another process) runs
-// first: a spinning worker would hold the core they wait for.
+// microseconds, the first of the next decode step after the host's work
+// between two steps (about half a millisecond at B = 1), and waking a
+// sleeping thread costs tens of microseconds, more on a virtual machine; with
+// a window shorter than that work, the first layers of every step ran on the
+// calling thread alone (h512, B = 1, 2 threads: 10% fewer tokens/s with
+// 200 us, docs/performance-cpu.md). An idle engine's workers sleep once the
+// window has passed. It polls with sched_yield, not a pure spin, so that any
+// other thread ready on its core (Paddle's own OpenMP threads between two
+// products, another process) runs first: a spinning worker would hold the
+// core they wait for.
 #pragma once
 
 #include <algorithm>
@@ -32,7 +38,7 @@ namespace paddle_step::cpu {
 class ThreadPool {
  public:
   // How long an idle worker polls for the next loop before it sleeps.
-  static constexpr int64_t kSpinMicroseconds = 200;
+  static constexpr int64_t kSpinMicroseconds = 2000;
   // Tasks in one loop (the claim word keeps the count in 16 bits).
   static constexpr int kMaxTasks = 0xFFFF;
 
