@@ -11,7 +11,7 @@ engine's parts:
   KV cache writes), ``kv_gather`` (reading the keys and values through the block tables),
   ``attention`` (scores, softmax, weighted sum), ``output_and_mlp`` (output projection,
   RMSNorm, fused gate/up, SwiGLU, down, residuals), ``logits`` (final RMSNorm, LM head of
-  the sampled rows), ``fused_layers`` (whole layers as one CPU call each, where the
+  the sampled rows), ``fused_layers`` (all layers as one CPU call, where the
   layers fuse: those steps have no attention_inputs, KV or output_and_mlp parts),
   ``forward_other`` (embedding, rotary tables, the flat batch, masks);
 - outside it: ``sampling``, ``update_inputs``, ``step_paddle`` and ``advance_step`` (the
@@ -81,8 +81,7 @@ def instrument(engine, timer: PartTimer) -> None:
     timer.wrap(runner.kv_cache, "gather_head_major", "kv_gather")
     timer.wrap(model, "_attention", "attention")
     timer.wrap(runner.kv_cache, "decode_attention", "attention")  # our CPU op's
-    for layer in model.layers:
-        timer.wrap(layer, "forward_fused", "fused_layers")
+    timer.wrap(model, "_fused_layers", "fused_layers")
     timer.wrap(runner, "forward", "forward")
     timer.wrap(runner, "sample", "sampling")
     timer.wrap(runner, "update_inputs", "update_inputs")

@@ -92,7 +92,7 @@ paddle_step::PagedKvView PagedKvViewOf(const char* op,
 paddle_step::PackedLinear PackedLinearOf(const pybind11::tuple& linear) {
   if (linear.size() != 5 && linear.size() != 6) {
     throw std::invalid_argument(
-        "cpu_decoder_layer: expected a product as (weights, scales, bias, n, "
+        "cpu_decoder_layers: expected a product as (weights, scales, bias, n, "
         "group_size[, isa]), got a tuple of " + std::to_string(linear.size()));
   }
   return {linear[0].cast<paddle::Tensor>(), OptionalTensor(linear[1]),
@@ -105,7 +105,7 @@ paddle_step::PackedLinear PackedLinearOf(const pybind11::tuple& linear) {
 // PackedLinearOf takes them.
 paddle_step::DecoderLayerWeights DecoderLayerWeightsOf(
     const pybind11::tuple& weights) {
-  CheckItemCount("cpu_decoder_layer", "weights", weights, 6,
+  CheckItemCount("cpu_decoder_layers", "weights", weights, 6,
                  "attn_norm, qkv, o, mlp_norm, gate_up, down");
   return {weights[0].cast<paddle::Tensor>(),
           PackedLinearOf(weights[1].cast<pybind11::tuple>()),
@@ -118,19 +118,32 @@ paddle_step::DecoderLayerWeights DecoderLayerWeightsOf(
 // (heads, kv_heads, head_dim, eps).
 paddle_step::DecoderLayerShape DecoderLayerShapeOf(
     const pybind11::tuple& shape) {
-  CheckItemCount("cpu_decoder_layer", "shape", shape, 4,
+  CheckItemCount("cpu_decoder_layers", "shape", shape, 4,
                  "heads, kv_heads, head_dim, eps");
   return {shape[0].cast<int64_t>(), shape[1].cast<int64_t>(),
           shape[2].cast<int64_t>(), shape[3].cast<double>()};
 }
 
-// (cos, sin, slots, cache): cache as PagedKvViewOf takes it.
-paddle_step::DecoderLayerStep DecoderLayerStepOf(const pybind11::tuple& step) {
-  CheckItemCount("cpu_decoder_layer", "step", step, 4,
-                 "cos, sin, slots, cache");
+// (cos_table, sin_table, slots, cache): cache as PagedKvViewOf takes it.
+paddle_step::DecoderStackStep DecoderStackStepOf(const pybind11::tuple& step) {
+  CheckItemCount("cpu_decoder_layers", "step", step, 4,
+                 "cos_table, sin_table, slots, cache");
   return {step[0].cast<paddle::Tensor>(), step[1].cast<paddle::Tensor>(),
           step[2].cast<paddle::Tensor>(),
-          PagedKvViewOf("cpu_decoder_layer", step[3].cast<pybind11::tuple>())};
+          PagedKvViewOf("cpu_decoder_layers", step[3].cast<pybind11::tuple>())};
+}
+
+// A tuple of layers' weights (as DecoderLayerWeightsOf takes each) and their
+// shape, read once.
+paddle_step::DecoderStack DecoderStackOf(const pybind11::tuple& layers,
+                                         const pybind11::tuple& shape) {
+  paddle_step::DecoderStack stack;
+  stack.shape = DecoderLayerShapeOf(shape);
+  for (const auto& layer : layers) {
+    stack.layers.push_back(
+        DecoderLayerWeightsOf(layer.cast<pybind11::tuple>()));
+  }
+  return stack;
 }
 
 }  // namespace
@@ -220,20 +233,25 @@ PYBIND11_MODULE(paddle_step_ops, module) {
             q, PagedKvViewOf("cpu_decode_attention", cache), scale);
       },
       pybind11::arg("q"), pybind11::arg("cache"), pybind11::arg("scale"));
-  module.def(
-      "cpu_decoder_layer",
-      [](const paddle::Tensor& x, const pybind11::tuple& weights,
-         const pybind11::tuple& shape, const pybind11::tuple& step) {
-        // One statement each, so the tuples are read (and a bad one named) in
-        // a fixed order: C++ leaves the order of a call's arguments open.
-        const auto layer_shape = DecoderLayerShapeOf(shape);
-        const auto layer_step = DecoderLayerStepOf(step);
-        const auto layer_weights = DecoderLayerWeightsOf(weights);
-        return paddle_step::CpuDecoderLayer(x, layer_weights, layer_shape,
-                                            layer_step);
-      },
-      pybind11::arg("x"), pybind11::arg("weights"), pybind11::arg("shape"),
-      pybind11::arg("step"));
+  pybind11::class_<paddle_step::DecoderStack>(
+      module, "DecoderStack",
+      "A model's decoder layers, their weights read once; called with a step, "
+      "runs its first `layers` layers in one call (cpu_decoder_layers)")
+      .def(pybind11::init(&DecoderStackOf), pybind11::arg("layers"),
+           pybind11::arg("shape"))
+      .def("__len__",
+           [](const paddle_step::DecoderStack& stack) {
+             return stack.layers.size();
+           })
+      .def(
+          "__call__",
+          [](const paddle_step::DecoderStack& stack, const paddle::Tensor& x,
+             const pybind11::tuple& step, int64_t layers) {
+            return paddle_step::CpuDecoderLayers(x, stack,
+                                                 DecoderStackStepOf(step),
+                                                 layers);
+          },
+          pybind11::arg("x"), pybind11::arg("step"), pybind11::arg("layers"));
   module.def("cpu_rms_norm", &paddle_step::CpuRmsNorm, pybind11::arg("x"),
              pybind11::arg("weight"), pybind11::arg("eps"));
   module.def("cpu_token_logprobs", &paddle_step::CpuTokenLogprobs,

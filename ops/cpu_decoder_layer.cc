@@ -1,6 +1,7 @@
 // cpu_decoder_layer: a whole decoder layer over a step's tokens in one call,
 // so that a step pays one Python-to-C++ crossing per layer instead of a few
-// dozen eager ops, and its element-wise parts run on every thread. The
+// dozen eager ops, and its element-wise parts run on every thread; and a
+// model's layers in one call (CpuDecoderLayers), one crossing per step. The
 // products are CpuLinear's, the attention and the cache write
 // cpu_paged_attention's, the element-wise parts
 // ops/include/cpu_decoder_layer_kernel.h.
@@ -188,6 +189,60 @@ paddle::Tensor CpuDecoderLayer(const paddle::Tensor& x,
   auto out = Product(activation, weights.down);
   AddRows(out.data<float>(), residual.data<float>(), tokens, hidden);
   return out;
+}
+
+paddle::Tensor CpuDecoderLayers(const paddle::Tensor& x,
+                                const DecoderStack& stack,
+                                const DecoderStackStep& step, int64_t layers) {
+  constexpr InputChecker kStackCheck("cpu_decoder_layers");
+  const int64_t available = static_cast<int64_t>(stack.layers.size());
+  if (layers < 0 || layers > available) {
+    kStackCheck.Fail("layers",
+                     "a layer count in [0, " + std::to_string(available) + "]",
+                     std::to_string(layers));
+  }
+  const int64_t head_dim = stack.shape.head_dim;
+  kStackCheck.Positive("head_dim", head_dim);
+  const PagedKvView& cache = step.cache;
+  kStackCheck.Dtype("positions", ViewOf(cache.positions),
+                    {paddle::DataType::INT64});
+  kStackCheck.Shape("positions", ViewOf(cache.positions), {-1});
+  kStackCheck.DenseCpu("positions", cache.positions);
+  const int64_t tokens = cache.positions.dims()[0];
+  CheckFloatMatrix("cos_table", step.cos_table, {-1, head_dim}, kStackCheck);
+  const int64_t table_rows = step.cos_table.dims()[0];
+  CheckFloatMatrix("sin_table", step.sin_table, {table_rows, head_dim},
+                   kStackCheck);
+  // Each token's rotary rows, once for every layer.
+  auto cos = paddle::empty({tokens, head_dim}, paddle::DataType::FLOAT32,
+                           paddle::CPUPlace());
+  auto sin = paddle::empty({tokens, head_dim}, paddle::DataType::FLOAT32,
+                           paddle::CPUPlace());
+  const int64_t* positions = cache.positions.data<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (positions[t] < 0 || positions[t] >= table_rows) {
+      kStackCheck.Fail("positions",
+                       "positions in [0, " + std::to_string(table_rows) +
+                           ") (the rotary tables' rows)",
+                       std::to_string(positions[t]) + " at token " +
+                           std::to_string(t));
+    }
+    const int64_t from = positions[t] * head_dim;
+    std::copy(step.cos_table.data<float>() + from,
+              step.cos_table.data<float>() + from + head_dim,
+              cos.data<float>() + t * head_dim);
+    std::copy(step.sin_table.data<float>() + from,
+              step.sin_table.data<float>() + from + head_dim,
+              sin.data<float>() + t * head_dim);
+  }
+  DecoderLayerStep layer_step{cos, sin, step.slots, cache};
+  paddle::Tensor hidden = x;
+  for (int64_t i = 0; i < layers; ++i) {
+    layer_step.cache.layer = cache.layer + i;
+    hidden = CpuDecoderLayer(hidden, stack.layers[i], stack.shape, layer_step);
+  }
+  // No layer run: a copy, so that the result never aliases x.
+  return layers == 0 ? x.copy_to(paddle::CPUPlace(), true) : hidden;
 }
 
 }  // namespace paddle_step

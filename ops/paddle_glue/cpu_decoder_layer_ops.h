@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "cpu_attention_ops.h"
 #include "paddle/extension.h"
@@ -56,6 +57,35 @@ paddle::Tensor CpuDecoderLayer(const paddle::Tensor& x,
                                const DecoderLayerWeights& weights,
                                const DecoderLayerShape& shape,
                                const DecoderLayerStep& step);
+
+// A model's decoder layers on one rank, as CpuDecoderLayers runs them: each
+// layer's weights (their products on the path each names) and the shape they
+// share. Built once from the model's weights, so that a step hands over only
+// its own tensors.
+struct DecoderStack {
+  std::vector<DecoderLayerWeights> layers;
+  DecoderLayerShape shape;
+};
+
+// A step's tokens as the layers of a stack see them: `cos_table` and
+// `sin_table` ([P, head_dim], rotate-half layout) hold the rotary values of
+// positions 0..P-1, of which each token takes the row of its position
+// (cache.positions, every one below P); slots and cache as in
+// DecoderLayerStep, cache.layer being the cache layer of the stack's first
+// layer (the stack's layer i reads and writes cache layer cache.layer + i).
+struct DecoderStackStep {
+  paddle::Tensor cos_table;
+  paddle::Tensor sin_table;
+  paddle::Tensor slots;
+  PagedKvView cache;
+};
+
+// x float32 [T, hidden] through the first `layers` layers of `stack`
+// (0 <= layers <= stack.layers.size()), each as CpuDecoderLayer: the same
+// result as that many CpuDecoderLayer calls, in one crossing from Python.
+paddle::Tensor CpuDecoderLayers(const paddle::Tensor& x,
+                                const DecoderStack& stack,
+                                const DecoderStackStep& step, int64_t layers);
 
 // RMSNorm of x float32 [T, width] times weight float32 [width], as a layer
 // normalizes (the same float32 operations in the same order): for the final

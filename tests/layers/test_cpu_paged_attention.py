@@ -180,14 +180,13 @@ def test_decoder_layer_on_a_bfloat16_cache():
     float32 cache's own run, whose fresh K/V are not rounded."""
     config = ModelConfig(seed=3)
     model = LlamaForCausalLM(config)
-    layer, block_size = model.layers[0], 4
+    block_size = 4
     tables = paddle.to_tensor(np.array([[5, 2, 0], [1, 4, -1], [3, -1, -1]], np.int32))
     rows = paddle.to_tensor(np.array([0, 1, 2], np.int64))
     positions = np.array([9, 5, 2], np.int64)
     table_of = tables.numpy()
     slots = np.array([table_of[r, p // block_size] * block_size + p % block_size
                       for r, p in enumerate(positions)], np.int64)  # fmt: skip
-    rope = tuple(t.reshape([-1, config.head_dim]) for t in model._rope(paddle.to_tensor(positions)))
     rng = np.random.default_rng(2)
     x = paddle.to_tensor(rng.standard_normal((3, config.hidden_size)).astype(np.float32))
     cache_shape = (1, 6 * block_size, config.num_kv_heads, config.head_dim)
@@ -199,7 +198,7 @@ def test_decoder_layer_on_a_bfloat16_cache():
         cache.key, cache.value = key, value
         step = FusedStep(cache, paddle.to_tensor(step_slots), tables, rows,
                          paddle.to_tensor(positions), "")  # fmt: skip
-        return layer.forward_fused(x, rope, 0, step).numpy()
+        return model._fused_layers(x, step, 1).numpy()  # layer 0 alone
 
     rounded = [c.clone() for c in old]
     out = run(*rounded, slots)

@@ -1,4 +1,4 @@
-"""Steps whose layers run as one CPU call each (``DecoderLayer.forward_fused``,
+"""Steps whose layers run as one CPU call (``LlamaForCausalLM._fused_layers``,
 ops/cpu_decoder_layer.cc) against the same steps through the eager blocks and the
 per-layer attention: prompts from position 0, a prompt chunk continued from the cache,
 decode tokens, and all three in one step. The same logits and the same K/V written, up
@@ -36,21 +36,27 @@ CONFIGS = {
 STEP_TOKENS = ((9, 17, 0, 4), (1, 3, 6, 0), (1, 1, 1, 0))  # per row, in each step
 
 
+def count_fused_calls(monkeypatch) -> list[int]:
+    """The layer count of each ``_fused_layers`` call from now on."""
+    calls = []
+    fused_layers = LlamaForCausalLM._fused_layers
+
+    def counted(model, x, step, layers):
+        calls.append(layers)
+        return fused_layers(model, x, step, layers)
+
+    monkeypatch.setattr(LlamaForCausalLM, "_fused_layers", counted)
+    return calls
+
+
 def fused_steps(model, fused: bool | None, monkeypatch) -> tuple[np.ndarray, ...]:
     """Three steps (``STEP_TOKENS``): prompts from position 0 (one row left empty); then a
     decode token, a chunk of three prompt tokens, a new prompt and an empty row; then a
     decode token each. Layers fused or not (None: as ``fuse_layers`` says). Each step's
     logits, and the caches after the last."""
-    calls = []
-    layer_op = llama.paddle_step_ops.cpu_decoder_layer
+    calls = count_fused_calls(monkeypatch)
     if fused is not None:
         monkeypatch.setattr(LayerFusion, "fuse_layers", lambda self, rows: fused)
-
-    def counted_layer_op(*args, **kwargs):
-        calls.append(1)
-        return layer_op(*args, **kwargs)
-
-    monkeypatch.setattr(llama.paddle_step_ops, "cpu_decoder_layer", counted_layer_op)
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
 
@@ -66,8 +72,8 @@ def fused_steps(model, fused: bool | None, monkeypatch) -> tuple[np.ndarray, ...
         batch = build_flat_batch(*slot_state(step, starts, width), tables, block_size)
         outputs.append(model.forward_paged(**batch, kv_cache=cache).numpy())
         starts = [start + len(row) for start, row in zip(starts, step)]
-    if fused is not None:
-        assert len(calls) == (3 * model.config.num_layers if fused else 0)
+    if fused is not None:  # one call a step, of every layer
+        assert calls == ([model.config.num_layers] * 3 if fused else [])
     return (*outputs, cache.key.numpy(), cache.value.numpy())
 
 
@@ -254,12 +260,8 @@ def test_prompt_tokens_without_a_slot_run_the_blocks(monkeypatch):
     """A prompt token past its block table has no cache slot, so the cache cannot give it
     its own key: that step runs the blocks (which attend over the step's own K/V)."""
     model = LlamaForCausalLM(CONFIGS["llama-gqa"])
-    calls = []
-    layer_op = llama.paddle_step_ops.cpu_decoder_layer
+    calls = count_fused_calls(monkeypatch)
     monkeypatch.setattr(LayerFusion, "fuse_layers", lambda self, rows: True)
-    monkeypatch.setattr(
-        llama.paddle_step_ops, "cpu_decoder_layer", lambda *a: calls.append(1) or layer_op(*a)
-    )
     tables = scrambled_block_tables(2, 2)
     tables[1, 1] = -1  # row 1's tokens 4.. have no slot
     cache = PagedKVCache.for_config(model.config, num_blocks=tables.size, block_size=4)
@@ -278,20 +280,89 @@ def _dummy_step(cache_items: int = 7) -> tuple:
     return (t, t, t, (t, t, 0, t, t, t, 4)[:cache_items])
 
 
+SHAPE = (1, 1, 2, 1e-6)  # heads, kv_heads, head_dim, eps
+
+
 @pytest.mark.parametrize(
-    "weights, shape, step, message",
+    "layers, shape, step, message",
     [
-        ((), (1, 1, 2), (), "argument 'shape': expected (heads, kv_heads, head_dim, eps), "
-                            "got a tuple of 3"),
-        ((), (1, 1, 2, 1e-6), (1, 2), "argument 'step': expected (cos, sin, slots, cache), "
-                                      "got a tuple of 2"),
-        ((), (1, 1, 2, 1e-6), _dummy_step(6), "argument 'cache': expected (key_cache, "
-         "value_cache, layer, block_tables, rows, positions, block_size), got a tuple of 6"),
-        ((), (1, 1, 2, 1e-6), _dummy_step(), "argument 'weights': expected (attn_norm, qkv, "
-                                             "o, mlp_norm, gate_up, down), got a tuple of 0"),
+        ((), (1, 1, 2), None, "argument 'shape': expected (heads, kv_heads, head_dim, eps), "
+                              "got a tuple of 3"),
+        (((),), SHAPE, None, "argument 'weights': expected (attn_norm, qkv, o, mlp_norm, "
+                             "gate_up, down), got a tuple of 0"),
+        ((), SHAPE, (1, 2), "argument 'step': expected (cos_table, sin_table, slots, cache), "
+                            "got a tuple of 2"),
+        ((), SHAPE, _dummy_step(6), "argument 'cache': expected (key_cache, value_cache, "
+         "layer, block_tables, rows, positions, block_size), got a tuple of 6"),
     ],
 )  # fmt: skip
-def test_layer_op_names_a_tuple_of_the_wrong_size(weights, shape, step, message):
+def test_decoder_stack_names_a_tuple_of_the_wrong_size(layers, shape, step, message):
     with pytest.raises(ValueError) as error:
-        llama.paddle_step_ops.cpu_decoder_layer(paddle.zeros([1, 4]), weights, shape, step)
-    assert f"cpu_decoder_layer: {message}" in str(error.value)
+        stack = llama.paddle_step_ops.DecoderStack(layers, shape)
+        stack(paddle.zeros([1, 4]), step, 0)
+    assert f"cpu_decoder_layers: {message}" in str(error.value)
+
+
+def decode_step(model: LlamaForCausalLM, tokens: int = 3, position: int = 9):
+    """``tokens`` decode tokens at ``position`` in rows of their own, their hidden states,
+    and a fresh cache holding the K/V of every earlier position: (x, FusedStep)."""
+    config, block_size = model.config, 4
+    rng = np.random.default_rng(11)
+    blocks_per_row = position // block_size + 1
+    tables = np.arange(tokens * blocks_per_row, dtype=np.int32).reshape(tokens, blocks_per_row)
+    cache = PagedKVCache.for_config(config, num_blocks=tables.size, block_size=block_size)
+    cache.key.set_value(rng.standard_normal(cache.key.shape).astype(np.float32))
+    cache.value.set_value(rng.standard_normal(cache.value.shape).astype(np.float32))
+    positions = np.full(tokens, position, np.int64)
+    slots = tables[:, position // block_size].astype(np.int64) * block_size + position % block_size
+    step = llama.FusedStep(cache, paddle.to_tensor(slots), paddle.to_tensor(tables),
+                           paddle.to_tensor(np.arange(tokens, dtype=np.int64)),
+                           paddle.to_tensor(positions), "")  # fmt: skip
+    x = rng.standard_normal((tokens, config.hidden_size)).astype(np.float32)
+    return paddle.to_tensor(x), step
+
+
+def test_a_stack_equals_its_layers_run_one_call_each():
+    """A model's layers in one call: bit for bit the hidden states and caches of each
+    layer run as a one-layer stack on its own cache layer, in turn."""
+    model = LlamaForCausalLM(ModelConfig(**{**CONFIGS["biases-odd"].__dict__, "num_layers": 3}))
+    cfg = model.config
+    shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps)
+    x, step = decode_step(model)
+    whole = model._fused_layers(x, step, 3).numpy()
+    caches = (step.kv_cache.key.numpy(), step.kv_cache.value.numpy())
+
+    x, step = decode_step(model)  # the same inputs, a fresh cache
+    cos, sin = model._rope_table(step.positions, flat=True)
+    for index, layer in enumerate(model.layers):
+        one = llama.paddle_step_ops.DecoderStack((layer.fused_weights(""),), shape)
+        view = step.kv_cache.view(index, step.block_tables, step.rows, step.positions)
+        x = one(x, (cos, sin, step.slots, view), 1)
+    np.testing.assert_array_equal(whole.view(np.uint32), x.numpy().view(np.uint32))
+    for cache, layered in zip(caches, (step.kv_cache.key, step.kv_cache.value)):
+        np.testing.assert_array_equal(cache.view(np.uint32), layered.numpy().view(np.uint32))
+
+
+def test_a_stack_runs_the_layers_asked_for_and_names_a_bad_count_or_position():
+    model = LlamaForCausalLM(CONFIGS["llama-gqa"])
+    layers = model.config.num_layers
+    x, step = decode_step(model)
+    first = model._fused_layers(x, step, 1).numpy()
+    x, step = decode_step(model)
+    assert not np.array_equal(first, model._fused_layers(x, step, layers).numpy())
+    untouched = model._fused_layers(x, step, 0)
+    np.testing.assert_array_equal(untouched.numpy(), x.numpy())
+    assert untouched.data_ptr() != x.data_ptr()  # a copy, never x itself
+    for count in (-1, layers + 1):
+        with pytest.raises(ValueError) as error:
+            model._fused_layers(x, step, count)
+        assert (f"cpu_decoder_layers: argument 'layers': expected a layer count in "
+                f"[0, {layers}], got {count}") in str(error.value)  # fmt: skip
+    stack = model._decoder_stacks[""]
+    assert len(stack) == layers
+    cos, sin = model._rope_table(step.positions, flat=True)
+    view = step.kv_cache.view(0, step.block_tables, step.rows, step.positions)
+    with pytest.raises(ValueError) as error:
+        stack(x, (cos[:9], sin[:9], step.slots, view), layers)  # rows for positions 0..8
+    assert ("cpu_decoder_layers: argument 'positions': expected positions in [0, 9) (the "
+            "rotary tables' rows), got 9 at token 0") in str(error.value)  # fmt: skip

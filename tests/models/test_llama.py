@@ -165,4 +165,8 @@ def test_rope_table_rows_equal_the_rope_computed_alone(rope_theta: float) -> Non
         for table, computed in zip(model._rope(positions), model._rope_of(positions)):
             assert table.shape == computed.shape == [positions.shape[0], 1, 32]
             np.testing.assert_array_equal(table.numpy(), computed.numpy())
-    assert model._rope_table[0].shape[0] == 8192
+    cos, sin = model._rope_table(positions, flat=True)  # as DecoderStack takes them
+    assert cos.shape == sin.shape == [8192, 32]
+    np.testing.assert_array_equal(
+        cos.numpy()[:600], model._rope_of(paddle.arange(600))[0].numpy()[:, 0]
+    )

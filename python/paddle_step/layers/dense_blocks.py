@@ -455,7 +455,7 @@ class ModelBlocks(NamedTuple):
 
 
 class LayerFusion:
-    """Whether a step's layers run as one CPU call each (``ops/cpu_decoder_layer.cc``)
+    """Whether a step's layers run as one CPU call (``ops/cpu_decoder_layer.cc``)
     instead of ``blocks`` and a per-layer attention, per row count class. Where both blocks
     keep a way of our op, the fused layer runs the same products with fewer crossings. Where
     they keep another (oneDNN's compiled program for long prompts, say), the fused layer's

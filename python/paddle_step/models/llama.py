@@ -188,7 +188,6 @@ class DecoderLayer(nn.Layer):
         self.w_up = linear("w_up", hidden, config.intermediate_size)
         self.w_down = linear("w_down", config.intermediate_size, hidden)
         self._dense = None
-        self._fused_arguments: dict[str, tuple] = {}  # by the op's path, see forward_fused
         if config.weight_format is not None:
             self._dense = self._packed_weights(config.weight_format)
 
@@ -246,41 +245,21 @@ class DecoderLayer(nn.Layer):
             *_present(self.o_bias),
         )
 
-    def forward_fused(
-        self,
-        x: paddle.Tensor,
-        rope: tuple[paddle.Tensor, paddle.Tensor],
-        index: int,
-        step: FusedStep,
-    ) -> paddle.Tensor:
-        """``forward`` as one call of our CPU op (``rope``: [T, head_dim] each), which
-        writes the step's K/V into layer ``index`` of ``step.kv_cache`` and then attends
-        through each token's block-table row (a token at position p sees the cache's keys
-        0..p, its own step's among them): for a float32 model whose cache ``uses_cpu_ops``
-        (float32 or bfloat16) and ``LayerFusion.fuse_layers``."""
-        weights_and_shape = self._fused_arguments.get(step.isa)
-        if weights_and_shape is None:  # the same every step: built once, not per call
-            weights_and_shape = self._fused_weights_and_shape(step.isa)
-            self._fused_arguments[step.isa] = weights_and_shape
-        cache = step.kv_cache.view(index, step.block_tables, step.rows, step.positions)
-        return paddle_step_ops.cpu_decoder_layer(x, *weights_and_shape, (*rope, step.slots, cache))
-
-    def _fused_weights_and_shape(self, isa: str) -> tuple[tuple, tuple]:
-        """``cpu_decoder_layer``'s weights (the products on path ``isa``) and shape."""
+    def fused_weights(self, isa: str) -> tuple:
+        """This layer's weights as ``paddle_step_ops.DecoderStack`` takes them, its
+        products on path ``isa`` ("": the process's)."""
         w_qkv, qkv_bias, w_o, w_gate_up, w_down = self._dense_weights()
-        cfg = self.config
 
         def product(weight: DenseWeight, bias: paddle.Tensor | None = None) -> tuple:
             packed = weight.packed
             return (packed.weights, packed.scales, bias, packed.n, packed.group_size, isa)
 
-        weights = (self.attn_norm.weight, product(w_qkv, qkv_bias), product(w_o, self.o_bias),
-                   self.mlp_norm.weight, product(w_gate_up), product(w_down))  # fmt: skip
-        return weights, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps)
+        return (self.attn_norm.weight, product(w_qkv, qkv_bias), product(w_o, self.o_bias),
+                self.mlp_norm.weight, product(w_gate_up), product(w_down))  # fmt: skip
 
 
 class FusedStep(NamedTuple):
-    """A step whose layers run as one CPU call each (``DecoderLayer.forward_fused``): the
+    """A step whose layers run as one CPU call (``LlamaForCausalLM._fused_layers``): the
     cache, each token's cache slot, block-table row and position ([T] int64), the block
     tables, and the op's path for the products ("": the process's)."""
 
@@ -398,28 +377,33 @@ class LlamaForCausalLM(nn.Layer):
         if config.rope_scaling is not None:
             inv_freq = config.rope_scaling.scale(inv_freq)
         self.inv_freq = paddle.to_tensor(inv_freq.astype(config.dtype))  # [head_dim / 2]
-        self._rope_table: tuple[paddle.Tensor, ...] | None = None  # CPU: _rope
+        self._rope_tables: tuple[paddle.Tensor, ...] | None = None  # CPU: _rope_table
+        self._decoder_stacks: dict[str, paddle_step_ops.DecoderStack] = {}  # by the op's path
         for param in self.parameters():
             param.stop_gradient = True
 
-    def _rope(
+    def _rope(self, positions: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """cos and sin [T, 1, head_dim] of the tokens at ``positions`` [T] (rotate-half
+        layout, broadcast over heads). On the CPU, rows of ``_rope_table`` (two gathers a
+        step instead of six ops)."""
+        if not positions.place.is_cpu_place():
+            return self._rope_of(positions)
+        cos, sin = self._rope_table(positions)
+        return paddle.gather(cos, positions), paddle.gather(sin, positions)
+
+    def _rope_table(
         self, positions: paddle.Tensor, flat: bool = False
     ) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """cos and sin [T, 1, head_dim] of the tokens at ``positions`` [T] (rotate-half
-        layout, broadcast over heads); with ``flat``, [T, head_dim]. On the CPU, rows of a
-        table of every position up to the largest seen, kept in both shapes (two gathers a
-        step instead of six ops, and no reshape)."""
-        if not positions.place.is_cpu_place():
-            rope = self._rope_of(positions)
-            return tuple(t.reshape([-1, self.config.head_dim]) for t in rope) if flat else rope
+        """cos and sin [P, 1, head_dim] of every position up to the largest seen, at least
+        up to every one of ``positions`` [T] (a CPU tensor); with ``flat``, [P, head_dim]
+        (as ``DecoderStack`` takes them). Kept in both shapes, no reshape a step."""
         needed = max([0, *positions.numpy().tolist()]) + 1  # Python: see _logits_of
-        if self._rope_table is None or self._rope_table[0].shape[0] < needed:
+        if self._rope_tables is None or self._rope_tables[0].shape[0] < needed:
             size = 1 << (needed - 1).bit_length()  # doubling: a few rebuilds in all
             cos, sin = self._rope_of(paddle.arange(size, dtype="int64"))
             flat_shape = [size, self.config.head_dim]
-            self._rope_table = (cos, sin, cos.reshape(flat_shape), sin.reshape(flat_shape))
-        cos, sin = self._rope_table[2:] if flat else self._rope_table[:2]
-        return paddle.gather(cos, positions), paddle.gather(sin, positions)
+            self._rope_tables = (cos, sin, cos.reshape(flat_shape), sin.reshape(flat_shape))
+        return self._rope_tables[2:] if flat else self._rope_tables[:2]
 
     def _rope_of(self, positions: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
         """``_rope`` computed: each value depends only on its position, so a table row
@@ -438,18 +422,35 @@ class LlamaForCausalLM(nn.Layer):
     ) -> paddle.Tensor:
         """Hidden states [T, hidden] of the tokens ``input_ids`` [T] after the first
         ``layers`` layers (None: all), before the final norm (``_logits`` applies it, to the
-        rows it needs). With ``fused``, each layer runs as ``DecoderLayer.forward_fused``."""
+        rows it needs). With ``fused``, the layers run as ``_fused_layers``."""
         if self._embedding is None:
             x = paddle.gather(self.embed, input_ids)
         else:
             x = cpu_linear.columns(self._embedding.packed, input_ids)
-        rope = self._rope(positions, flat=fused is not None)  # the op takes [T, head_dim]
+        if fused is not None:
+            return self._fused_layers(x, fused, len(self.layers) if layers is None else layers)
+        rope = self._rope(positions)
         for index, layer in enumerate(itertools.islice(self.layers, layers)):
-            if fused is not None:
-                x = layer.forward_fused(x, rope, index, fused)
-            else:
-                x = layer(x, rope, attend_for_layer(index))
+            x = layer(x, rope, attend_for_layer(index))
         return x
+
+    def _fused_layers(self, x: paddle.Tensor, step: FusedStep, layers: int) -> paddle.Tensor:
+        """``x`` [T, hidden] through the first ``layers`` layers in one call of our CPU op
+        (``paddle_step_ops.DecoderStack``, built once per path): each layer writes the
+        step's K/V into its layer of ``step.kv_cache`` and then attends through each token's
+        block-table row (a token at position p sees the cache's keys 0..p, its own step's
+        among them). For a float32 model whose cache ``uses_cpu_ops`` (float32 or bfloat16)
+        and ``LayerFusion.fuse_layers``."""
+        stack = self._decoder_stacks.get(step.isa)
+        if stack is None:  # the same every step: built once, not per call
+            cfg = self.config
+            stack = paddle_step_ops.DecoderStack(
+                tuple(layer.fused_weights(step.isa) for layer in self.layers),
+                (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps),
+            )
+            self._decoder_stacks[step.isa] = stack
+        cache = step.kv_cache.view(0, step.block_tables, step.rows, step.positions)
+        return stack(x, (*self._rope_table(step.positions, flat=True), step.slots, cache), layers)
 
     def _attention(
         self, q: paddle.Tensor, keys: paddle.Tensor, values: paddle.Tensor, mask: paddle.Tensor
