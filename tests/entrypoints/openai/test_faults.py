@@ -313,6 +313,35 @@ def test_a_stop_signal_a_library_reports_as_its_own_error_still_exits_quietly(mo
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "term"])
+def test_a_stop_signal_while_the_server_is_made_stops_the_engine_and_exits_quietly(
+    monkeypatch, stop_signal
+):
+    """Ctrl-C or SIGTERM after the model has loaded, while uvicorn imports and the server
+    is made: the engine is stopped and the server exits 130 or 143, as anywhere else in its
+    start (it ended by SIGINT with a traceback there, the engine not stopped)."""
+    from paddle_step.entrypoints.openai import cli
+
+    stopped = []
+
+    class Loop:
+        def stop(self):
+            stopped.append(True)
+
+    def make_server(_app, _loop, _args):
+        os.kill(os.getpid(), stop_signal)
+        time.sleep(5)
+
+    monkeypatch.setattr(cli, "build_app", lambda _args: (object(), Loop()))
+    monkeypatch.setattr(cli, "_server", make_server)
+    handlers = {signal.SIGINT: signal.getsignal(signal.SIGINT), signal.SIGTERM: signal.SIG_DFL}
+    with pytest.raises(SystemExit) as stopped_server:
+        cli.main(["--port", str(free_port())])
+    assert stopped_server.value.code == 128 + stop_signal
+    assert stopped == [True]
+    assert {s: signal.getsignal(s) for s in handlers} == handlers  # given back
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "term"])
 def test_the_engine_process_takes_no_ctrl_c_from_its_first_moment(tmp_path, stop_signal):
     """SIGINT or SIGTERM sent to the engine process every few ms from the moment it exists,
     while its new interpreter imports its target and then loads the model: it must neither

@@ -197,6 +197,14 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if rank == 0:
             app, loop = build_app(args)
+            try:
+                # While a stop signal still stops the start: importing uvicorn takes a
+                # moment, and Ctrl-C then ended the process by SIGINT with a traceback,
+                # nothing having stopped its engine.
+                server = _server(app, loop, args)
+            except BaseException:
+                loop.stop()
+                raise
         else:
             follower = EngineLoop(args)
             follower.start()
@@ -226,9 +234,8 @@ def main(argv: list[str] | None = None) -> None:
         if follower.failure is not None:
             raise SystemExit(f"paddle_step.serve, rank {rank}: {follower.failure}")
         return
-    server = _server(app, loop, args)
-    threading.Thread(target=_exit_after_failure, args=(loop, server), daemon=True).start()
     try:
+        threading.Thread(target=_exit_after_failure, args=(loop, server), daemon=True).start()
         server.run(sockets=[listening])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down
         raise SystemExit(130) from None
