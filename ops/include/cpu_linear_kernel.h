@@ -251,10 +251,11 @@ constexpr int64_t kFloat32TiledFromRows = 9;
 
 // The form of x a product multiplies (ActivationFormOf).
 enum class ActivationForm {
-  kFloat32,         // x as it is
-  kFloat32Tiles,    // x's rows in tiles of 12 (x_tiles), for float32 weights
-  kBFloat16Pairs,   // x rounded to bfloat16, for bfloat16 weights (vdpbf16ps)
-  kUint8Quads,      // x quantized per row, for int8 weights (vpdpbusd)
+  kFloat32,        // x as it is
+  kFloat32Tiles,   // x's rows in tiles of 12 (x_tiles), for float32 weights
+  kFloat32Tiles6,  // x's rows in tiles of 6 (x_tiles), the AVX2 path's
+  kBFloat16Pairs,  // x rounded to bfloat16, for bfloat16 weights (vdpbf16ps)
+  kUint8Quads,     // x quantized per row, for int8 weights (vpdpbusd)
 };
 
 // The largest K whose uint8 x int8 sums fit int32: K * 255 * 127 < 2^31.
@@ -868,32 +869,112 @@ inline void Panels(const LinearProblem& p, int64_t begin, int64_t end) {
 #pragma GCC pop_options
 
 // --------------------------------------------------------------------- AVX2
-// 16 vector registers. A tile is kRows rows of x times kVectors 8-float
-// vectors of one panel, from column `column` of the panel: kRows * kVectors
-// accumulators, kVectors weight vectors and a broadcast must fit. One or two
-// rows take the whole panel (4 vectors: 8 accumulators keep both FMA units
-// busy); more rows take half a panel (2 vectors) at a time, up to 6 rows, so
-// each weight vector loaded serves 6 rows instead of 2 (the second half's
-// lines come from L2: a panel of K <= 8,192 rows fits there).
+// 16 vector registers. A tile is kTileRows rows of x times kVectors 8-float
+// vectors of one panel, from column `column` of the panel: kTileRows *
+// kVectors accumulators, kVectors weight vectors and a broadcast must fit.
+// One or two rows take the whole panel (4 vectors: 8 accumulators keep both
+// FMA units busy); more rows take half a panel (2 vectors) at a time, up to 6
+// rows, so that each weight vector loaded serves up to 6 rows.
+//
+// A panel is multiplied a span of kSpanBytes of it at a time: every tile over
+// the span (both halves, every block of rows) runs before the next span, so
+// the span is read from memory once and then from the first-level cache; the
+// tiles of later spans continue the sums they left in y (in the order of k,
+// so the bits are those of one pass). The span's tiles share asking for its
+// lines a measured distance ahead (near a span's length: the next span, while
+// they compute). Half-panel tiles over the whole of K read each panel from
+// memory twice, every other line: at 8 rows a product ran at a quarter of
+// the read bandwidth on a Zen 3 (docs/performance-cpu.md). Large M also takes rows of x kChunkRows at a time (x read in tiles of 6
+// rows): 2,048 rows ran at half the rate of 512 without.
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace avx2_path {
 
 constexpr int kWideRows = 2;    // tiles of 4 vectors: up to 2 rows
 constexpr int kNarrowRows = 6;  // tiles of 2 vectors: up to 6 rows
+// From kTiledFromRows rows, the narrow tiles read x regrouped once per product
+// into tiles of their 6 rows (x_tiles), each k's 6 values side by side: one
+// stream of x a tile reads front to back, instead of 6 rows' streams.
+constexpr int64_t kTileRowsOfX = kNarrowRows;
+constexpr int64_t kTiledFromRows = 9;
+constexpr int64_t kSpanBytes = 8192;
+// Rows of x multiplied by a thread's panels before the next rows: a span's
+// worth of so many rows of x stays in the second-level cache (a multiple of
+// kTileRowsOfX: chunks start at a tile of x).
+constexpr int64_t kChunkRows = 96;
+
+// Storage rows [begin, end) of a panel (pairs of k for bfloat16), whether
+// they start a tile's sums and end them (the bias and int8's column scale
+// come with the last), and the rows whose lines ahead the tile asks for: from
+// prefetch_row, every prefetch_step rows (the span's tiles share the asking).
+struct Span {
+  int64_t begin;
+  int64_t end;
+  bool first;
+  bool last;
+  int64_t prefetch_row;
+  int64_t prefetch_step;
+};
+
+// See avx512_path::PrefetchAhead; a 128-byte panel row is two lines.
+PADDLE_STEP_INLINE void PrefetchRow(const void* row, int64_t ahead,
+                                    int64_t l2_ahead) {
+  const char* line = static_cast<const char*>(row);
+  _mm_prefetch(line + ahead, _MM_HINT_T0);
+  _mm_prefetch(line + ahead + 64, _MM_HINT_T0);
+  if (l2_ahead) {
+    _mm_prefetch(line + l2_ahead, _MM_HINT_T1);
+    _mm_prefetch(line + l2_ahead + 64, _MM_HINT_T1);
+  }
+}
+
+// The lanes of vector v of a tile below `width` columns.
+PADDLE_STEP_INLINE __m256i LaneMask(int64_t width, int v) {
+  const int lanes = static_cast<int>(std::clamp<int64_t>(width - 8 * v, 0, 8));
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
 
 // The sums of a tile: its kTileRows rows of x times kVectors vectors of one
-// panel.
-template <int kTileRows, int kVectors>
+// panel, from column `column` of panel `panel`.
+template <int kTileRows, int kVectors, bool kTiledX>
 struct Accumulators : TileRows {
   __m256 sum[kTileRows][kVectors];
+  float* y;  // the tile's first row and column in y
+  int64_t y_stride;
+  const float* bias;  // the tile's first column of the bias, or null
+  int64_t width;      // the tile's columns below n (may pass 8 * kVectors)
 
-  PADDLE_STEP_INLINE Accumulators(const LinearProblem& p, int64_t row)
-      : TileRows(p, row) {
+  PADDLE_STEP_INLINE Accumulators(const LinearProblem& p, int64_t panel,
+                                  int64_t row, int64_t column, const Span& span)
+      : TileRows(p, row), y_stride(p.y_stride) {
+    if (kTiledX)
+      x = p.x_tiles + row * p.w.k;  // row: a multiple of kTileRowsOfX
+    const int64_t first = panel * kPanelWidth + column;
+    y = p.y + row * p.y_stride + first;
+    bias = p.bias ? p.bias + first : nullptr;
+    width = p.w.n - first;
 #pragma GCC unroll 16
     for (int r = 0; r < kTileRows; ++r) {
 #pragma GCC unroll 4
-      for (int v = 0; v < kVectors; ++v) sum[r][v] = _mm256_setzero_ps();
+      for (int v = 0; v < kVectors; ++v) {
+        sum[r][v] = span.first ? _mm256_setzero_ps()
+                               : Load(y + r * y_stride + 8 * v, v);
+      }
+    }
+  }
+
+  // Vector v of a tile's row at `at`: plain loads and stores where its 8
+  // columns are all below n (masked stores are microcoded on AMD's cores).
+  PADDLE_STEP_INLINE __m256 Load(const float* at, int v) const {
+    return width >= 8 * (v + 1) ? _mm256_loadu_ps(at)
+                                : _mm256_maskload_ps(at, LaneMask(width, v));
+  }
+  PADDLE_STEP_INLINE void Write(float* at, int v, __m256 values) const {
+    if (width >= 8 * (v + 1)) {
+      _mm256_storeu_ps(at, values);
+    } else {
+      _mm256_maskstore_ps(at, LaneMask(width, v), values);
     }
   }
 
@@ -901,7 +982,8 @@ struct Accumulators : TileRows {
   PADDLE_STEP_INLINE void Add(int64_t kk, const __m256 (&w)[kVectors]) {
 #pragma GCC unroll 16
     for (int r = 0; r < kTileRows; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(x + r * x_stride + kk);
+      const __m256 xv = _mm256_broadcast_ss(kTiledX ? x + kk * kTileRowsOfX + r
+                                                    : x + r * x_stride + kk);
 #pragma GCC unroll 4
       for (int v = 0; v < kVectors; ++v) {
         sum[r][v] = _mm256_fmadd_ps(xv, w[v], sum[r][v]);
@@ -909,46 +991,55 @@ struct Accumulators : TileRows {
     }
   }
 
-  // Writes the tile: rows [row, row + kTileRows) of y, the panel's columns
-  // [column, column + 8 * kVectors) (those below n), plus the bias.
-  PADDLE_STEP_INLINE void Store(const LinearProblem& p, int64_t panel,
-                                int64_t row, int64_t column) {
-    const int64_t first = panel * kPanelWidth + column;
-    float* y = p.y + row * p.y_stride + first;
-    const float* bias = p.bias ? p.bias + first : nullptr;
-    const int64_t width = std::min<int64_t>(8 * kVectors, p.w.n - first);
-    const int64_t y_stride = p.y_stride;
-    // Unrolled, so that sum is indexed by constants only: a runtime index
-    // would keep the accumulators in memory, stored on every step of K.
+  // Writes the tile's sums to y (its columns below n): the partial sums, or
+  // after the last span, times `scale` (where not null) plus the bias.
+  PADDLE_STEP_INLINE void Store(const Span& span,
+                                const __m256* scale = nullptr) {
+    __m256 b[kVectors];
+#pragma GCC unroll 4
+    for (int v = 0; v < kVectors; ++v) {
+      b[v] = span.last && bias ? Load(bias + 8 * v, v) : _mm256_setzero_ps();
+    }
 #pragma GCC unroll 16
     for (int r = 0; r < kTileRows; ++r) {
-      float values[8 * kVectors];
 #pragma GCC unroll 4
       for (int v = 0; v < kVectors; ++v) {
-        _mm256_storeu_ps(values + 8 * v, sum[r][v]);
-      }
-      float* out = y + r * y_stride;
-      for (int64_t c = 0; c < width; ++c) {
-        out[c] = bias ? values[c] + bias[c] : values[c];
+        __m256 out = sum[r][v];
+        if (span.last && scale) {
+          out = _mm256_mul_ps(out, scale[v]);
+          // Rounded on its own: the compiler may not fuse it with the bias
+          // add into an FMA in some tiles and not in others (a row's bits
+          // would then depend on its batch).
+          asm("" : "+x"(out));
+        }
+        if (span.last && bias) out = _mm256_add_ps(out, b[v]);
+        Write(y + r * y_stride + 8 * v, v, out);
       }
     }
   }
 };
 
-template <int kTileRows, int kVectors>
+template <int kTileRows, int kVectors, bool kTiledX>
 void TileFloat32(const LinearProblem& p, int64_t panel, int64_t row,
-                 int64_t column) {
-  const int64_t k = p.w.k;
-  const float* w = p.w.Panel<float>(panel) + column;
-  Accumulators<kTileRows, kVectors> acc(p, row);
-  for (int64_t kk = 0; kk < k; ++kk) {
+                 int64_t column, const Span& span) {
+  const float* w = p.w.Panel<float>(panel);
+  const int64_t ahead = p.prefetch_bytes;
+  const int64_t l2_ahead = p.prefetch_l2_bytes;
+  Accumulators<kTileRows, kVectors, kTiledX> acc(p, panel, row, column, span);
+  int64_t prefetch_row = span.prefetch_row;
+  for (int64_t kk = span.begin; kk < span.end; ++kk) {
     const float* in = w + kk * kPanelWidth;
+    if (kk == prefetch_row) {
+      PrefetchRow(in, ahead, l2_ahead);
+      prefetch_row += span.prefetch_step;
+    }
     __m256 v[kVectors];
 #pragma GCC unroll 4
-    for (int i = 0; i < kVectors; ++i) v[i] = _mm256_loadu_ps(in + 8 * i);
+    for (int i = 0; i < kVectors; ++i)
+      v[i] = _mm256_loadu_ps(in + column + 8 * i);
     acc.Add(kk, v);
   }
-  acc.Store(p, panel, row, column);
+  acc.Store(span);
 }
 
 PADDLE_STEP_INLINE __m256 EvenRow(__m256i pairs) {
@@ -959,17 +1050,23 @@ PADDLE_STEP_INLINE __m256 OddRow(__m256i pairs) {
       pairs, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-template <int kTileRows, int kVectors>
+template <int kTileRows, int kVectors, bool kTiledX>
 void TileBFloat16(const LinearProblem& p, int64_t panel, int64_t row,
-                  int64_t column) {
+                  int64_t column, const Span& span) {
   const int64_t k = p.w.k;
-  // A pair row holds 2 values per column: column c starts at element 2c.
-  const uint16_t* w = p.w.Panel<uint16_t>(panel) + 2 * column;
-  Accumulators<kTileRows, kVectors> acc(p, row);
-  const int64_t pairs = PanelRows(WeightFormat::kBFloat16, k);
-  for (int64_t s = 0; s < pairs; ++s) {
-    const __m256i* in =
-        reinterpret_cast<const __m256i*>(w + s * 2 * kPanelWidth);
+  const uint16_t* w = p.w.Panel<uint16_t>(panel);
+  const int64_t ahead = p.prefetch_bytes;
+  const int64_t l2_ahead = p.prefetch_l2_bytes;
+  Accumulators<kTileRows, kVectors, kTiledX> acc(p, panel, row, column, span);
+  int64_t prefetch_row = span.prefetch_row;
+  for (int64_t s = span.begin; s < span.end; ++s) {
+    // A pair row holds 2 values per column: column c starts at element 2c.
+    const uint16_t* pair_row = w + s * 2 * kPanelWidth;
+    if (s == prefetch_row) {
+      PrefetchRow(pair_row, ahead, l2_ahead);
+      prefetch_row += span.prefetch_step;
+    }
+    const __m256i* in = reinterpret_cast<const __m256i*>(pair_row + 2 * column);
     __m256i q[kVectors];
     __m256 even[kVectors];
 #pragma GCC unroll 4
@@ -985,7 +1082,7 @@ void TileBFloat16(const LinearProblem& p, int64_t panel, int64_t row,
       acc.Add(2 * s + 1, odd);
     }
   }
-  acc.Store(p, panel, row, column);
+  acc.Store(span);
 }
 
 // 8 int8 weights as float32 (exact).
@@ -994,61 +1091,88 @@ PADDLE_STEP_INLINE __m256 Int8Values(const int8_t* q) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
 }
 
-// One scale per column (a single group): the sums over K times the scale.
-// Groups along K: each weight times its group's scale (two sets of
-// accumulators would not fit the 16 registers).
-template <int kTileRows, int kVectors>
+// One scale per column (a single group): the sums over K times the scale,
+// after the last span. Groups along K: each weight times its group's scale
+// (two sets of accumulators would not fit the 16 registers).
+template <int kTileRows, int kVectors, bool kTiledX>
 void TileInt8(const LinearProblem& p, int64_t panel, int64_t row,
-              int64_t column) {
-  const int64_t k = p.w.k;
+              int64_t column, const Span& span) {
   const int64_t group_size = p.w.group_size;
-  const int64_t groups = GroupCount(k, group_size);
-  const int8_t* w = p.w.Panel<int8_t>(panel) + column;
+  const int64_t groups = GroupCount(p.w.k, group_size);
+  const int8_t* w = p.w.Panel<int8_t>(panel);
   const float* scales = p.w.scales + panel * groups * kPanelWidth + column;
-  Accumulators<kTileRows, kVectors> acc(p, row);
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256 scale[kVectors];
+  const int64_t ahead = p.prefetch_bytes;
+  const int64_t l2_ahead = p.prefetch_l2_bytes;
+  Accumulators<kTileRows, kVectors, kTiledX> acc(p, panel, row, column, span);
+  __m256 scale[kVectors];
+  int64_t prefetch_row = span.prefetch_row;
+  for (int64_t kk = span.begin; kk < span.end;) {
+    const int64_t g = kk / group_size;
 #pragma GCC unroll 4
     for (int i = 0; i < kVectors; ++i) {
       scale[i] = _mm256_loadu_ps(scales + g * kPanelWidth + 8 * i);
     }
-    const int64_t row_end = std::min(k, (g + 1) * group_size);
-    for (int64_t kk = g * group_size; kk < row_end; ++kk) {
+    const int64_t group_end = std::min(span.end, (g + 1) * group_size);
+    for (; kk < group_end; ++kk) {
       const int8_t* in = w + kk * kPanelWidth;
+      if (kk == prefetch_row) {
+        PrefetchRow(in, ahead, l2_ahead);
+        prefetch_row += span.prefetch_step;
+      }
       __m256 v[kVectors];
 #pragma GCC unroll 4
       for (int i = 0; i < kVectors; ++i) {
-        v[i] = groups == 1 ? Int8Values(in + 8 * i)
-                           : _mm256_mul_ps(Int8Values(in + 8 * i), scale[i]);
+        v[i] = groups == 1
+                   ? Int8Values(in + column + 8 * i)
+                   : _mm256_mul_ps(Int8Values(in + column + 8 * i), scale[i]);
       }
       acc.Add(kk, v);
     }
-    if (groups == 1) {
-#pragma GCC unroll 16
-      for (int r = 0; r < kTileRows; ++r) {
-#pragma GCC unroll 4
-        for (int i = 0; i < kVectors; ++i) {
-          acc.sum[r][i] = _mm256_mul_ps(acc.sum[r][i], scale[i]);
-        }
+  }
+  acc.Store(span, groups == 1 ? scale : nullptr);
+}
+
+using TileFunction = void (*)(const LinearProblem&, int64_t, int64_t, int64_t,
+                              const Span&);
+
+// Rows of x [m, k] (x_stride apart) into tiles of kTileRowsOfX rows:
+// out[t][kk][r] = x[6 t + r][kk], rows past m zero (x_tiles).
+inline void TileRowsOfX(const float* x, int64_t m, int64_t k, int64_t x_stride,
+                        float* out) {
+  for (int64_t first = 0; first < m; first += kTileRowsOfX) {
+    float* tile = out + first * k;
+    const int64_t rows = std::min<int64_t>(kTileRowsOfX, m - first);
+    for (int64_t kk = 0; kk < k; ++kk) {
+      for (int64_t r = 0; r < kTileRowsOfX; ++r) {
+        tile[kk * kTileRowsOfX + r] =
+            r < rows ? x[(first + r) * x_stride + kk] : 0.0f;
       }
     }
   }
-  acc.Store(p, panel, row, column);
 }
 
-using TileFunction = void (*)(const LinearProblem&, int64_t, int64_t, int64_t);
-
-#define PADDLE_STEP_AVX2_TABLES(name)                                      \
-  inline const TileFunction* name##Wide() {                                \
-    static constexpr TileFunction table[kWideRows + 1] = {                 \
-        nullptr, name<1, 4>, name<2, 4>};                                  \
-    return table;                                                          \
-  }                                                                        \
-  inline const TileFunction* name##Narrow() {                              \
-    static constexpr TileFunction table[kNarrowRows + 1] = {               \
-        nullptr,      name<1, 2>, name<2, 2>, name<3, 2>,                  \
-        name<4, 2>,   name<5, 2>, name<6, 2>};                             \
-    return table;                                                          \
+#define PADDLE_STEP_AVX2_TABLES(name)                                          \
+  inline const TileFunction* name##Wide() {                                    \
+    static constexpr TileFunction table[kWideRows + 1] = {                     \
+        nullptr, name<1, 4, false>, name<2, 4, false>};                        \
+    return table;                                                              \
+  }                                                                            \
+  inline const TileFunction* name##Narrow() {                                  \
+    static constexpr TileFunction table[kNarrowRows + 1] = {                   \
+        nullptr,           name<1, 2, false>, name<2, 2, false>,               \
+        name<3, 2, false>, name<4, 2, false>, name<5, 2, false>,               \
+        name<6, 2, false>};                                                    \
+    return table;                                                              \
+  }                                                                            \
+  inline const TileFunction* name##Tiled() {                                   \
+    static constexpr TileFunction table[kNarrowRows + 1] = {nullptr,           \
+                                                            name<1, 2, true>,  \
+                                                            name<2, 2, true>,  \
+                                                            name<3, 2, true>,  \
+                                                            name<4, 2, true>,  \
+                                                            name<5, 2, true>,  \
+                                                            name<6, 2, true>}; \
+    return table;                                                              \
   }
 PADDLE_STEP_AVX2_TABLES(TileFloat32)
 PADDLE_STEP_AVX2_TABLES(TileBFloat16)
@@ -1056,21 +1180,47 @@ PADDLE_STEP_AVX2_TABLES(TileInt8)
 #undef PADDLE_STEP_AVX2_TABLES
 
 inline void Panels(const LinearProblem& p, int64_t begin, int64_t end) {
-  if (p.m <= kWideRows) {
-    const TileFunction* tiles = ForFormat(p.w.format, TileFloat32Wide(),
-                                          TileBFloat16Wide(), TileInt8Wide());
+  const bool wide = p.m <= kWideRows;
+  const TileFunction* tiles =
+      wide        ? ForFormat(p.w.format, TileFloat32Wide(), TileBFloat16Wide(),
+                              TileInt8Wide())
+      : p.x_tiles ? ForFormat(p.w.format, TileFloat32Tiled(),
+                              TileBFloat16Tiled(), TileInt8Tiled())
+                  : ForFormat(p.w.format, TileFloat32Narrow(),
+                              TileBFloat16Narrow(), TileInt8Narrow());
+  const int64_t rows = PanelRows(p.w.format, p.w.k);
+  const int64_t row_bytes = p.w.format == WeightFormat::kInt8
+                                ? kPanelWidth
+                                : 4 * kPanelWidth;  // float32, bfloat16 pairs
+  // A span may end inside an int8 group: each span loads its groups' scales.
+  const int64_t span_rows = std::max<int64_t>(1, kSpanBytes / row_bytes);
+  // A PrefetchRow covers 128 bytes: 4 rows of int8.
+  const int64_t rows_per_prefetch = 4 * kPanelWidth / row_bytes;
+  for (int64_t chunk = 0; chunk < p.m; chunk += kChunkRows) {
+    const int64_t m = std::min(kChunkRows, p.m - chunk);
+    // Blocks of rows of as even a size as the tiles allow (8 rows: 4 + 4,
+    // not 6 + 2, whose 4 accumulators wait on the FMA latency); x in tiles
+    // is cut where its tiles are.
+    const int64_t block_limit = wide ? kWideRows : kNarrowRows;
+    const int64_t blocks = (m + block_limit - 1) / block_limit;
     for (int64_t panel = begin; panel < end; ++panel) {
-      tiles[p.m](p, panel, 0, 0);
-    }
-    return;
-  }
-  const TileFunction* tiles = ForFormat(p.w.format, TileFloat32Narrow(),
-                                        TileBFloat16Narrow(), TileInt8Narrow());
-  for (int64_t panel = begin; panel < end; ++panel) {
-    for (int64_t column = 0; column < kPanelWidth; column += 16) {
-      if (panel * kPanelWidth + column >= p.w.n) break;  // all padding
-      for (int64_t row = 0; row < p.m; row += kNarrowRows) {
-        tiles[std::min<int64_t>(kNarrowRows, p.m - row)](p, panel, row, column);
+      const int64_t halves = wide                               ? 1
+                             : panel * kPanelWidth + 16 < p.w.n ? 2
+                                                                : 1;
+      for (int64_t s = 0; s < rows; s += span_rows) {
+        Span span{s,      std::min(rows, s + span_rows),
+                  s == 0, s + span_rows >= rows,
+                  s,      halves * blocks * rows_per_prefetch};
+        for (int64_t half = 0; half < halves; ++half) {
+          for (int64_t block = 0, row = chunk; block < blocks; ++block) {
+            const int64_t block_rows =
+                p.x_tiles ? std::min<int64_t>(kTileRowsOfX, chunk + m - row)
+                          : m / blocks + (block < m % blocks ? 1 : 0);
+            tiles[block_rows](p, panel, row, 16 * half, span);
+            span.prefetch_row += rows_per_prefetch;
+            row += block_rows;
+          }
+        }
       }
     }
   }
@@ -1082,12 +1232,19 @@ inline void Panels(const LinearProblem& p, int64_t begin, int64_t end) {
 #undef PADDLE_STEP_INLINE
 #endif  // PADDLE_STEP_CPU_X86
 
-// The form of m rows of x a product on `isa` multiplies: the AVX512-BF16
+// The form of m rows of x a product on `isa` multiplies: the AVX2 path reads
+// x in tiles of 6 rows from avx2_path::kTiledFromRows rows; the AVX512-BF16
 // path's dot products take bfloat16 weights, and int8 weights with one scale
 // per column and K up to kMaxQuadK; the AVX-512 path's float32 tiles read
 // tiles of x from kFloat32TiledFromRows rows.
 inline ActivationForm ActivationFormOf(Isa isa, const PackedWeights& w,
                                        int64_t m) {
+#ifdef PADDLE_STEP_CPU_X86
+  if (isa == Isa::kAvx2) {
+    return m >= avx2_path::kTiledFromRows ? ActivationForm::kFloat32Tiles6
+                                          : ActivationForm::kFloat32;
+  }
+#endif
   if (isa != Isa::kAvx512Bf16 && isa != Isa::kAvx512) {
     return ActivationForm::kFloat32;
   }
@@ -1110,6 +1267,8 @@ inline int64_t ActivationBytes(Isa isa, const PackedWeights& w, int64_t m) {
     case ActivationForm::kFloat32Tiles:
       return (m + kFloat32TileRows - 1) / kFloat32TileRows * kFloat32TileRows *
              w.k * 4;
+    case ActivationForm::kFloat32Tiles6:
+      return (m + 5) / 6 * 6 * w.k * 4;
     case ActivationForm::kBFloat16Pairs:
       return m * PanelRows(WeightFormat::kBFloat16, w.k) * 4;
     case ActivationForm::kUint8Quads:
@@ -1128,6 +1287,11 @@ inline void PrepareActivations(Isa isa, LinearProblem* p, void* scratch) {
     case ActivationForm::kFloat32Tiles:
       avx512_path::TileRowsOfX(p->x, p->m, p->w.k, p->x_stride,
                                static_cast<float*>(scratch));
+      p->x_tiles = static_cast<const float*>(scratch);
+      return;
+    case ActivationForm::kFloat32Tiles6:
+      avx2_path::TileRowsOfX(p->x, p->m, p->w.k, p->x_stride,
+                             static_cast<float*>(scratch));
       p->x_tiles = static_cast<const float*>(scratch);
       return;
     case ActivationForm::kBFloat16Pairs:

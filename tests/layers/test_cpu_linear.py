@@ -175,23 +175,41 @@ def test_isa_paths_and_thread_counts_agree_closely():
     check_product(single, x.numpy(), w, None)
 
 
+@pytest.mark.parametrize("k", [37, 300])
 @pytest.mark.parametrize("weight_format, group_size", FORMATS)
-def test_a_row_computes_the_same_bits_in_any_batch(isa_path, weight_format, group_size):
+def test_a_row_computes_the_same_bits_in_any_batch(isa_path, weight_format, group_size, k):
     """Each row of a product of M rows equals that row's product alone, bit for bit, on
     every path: a row's sums run in the order of k whatever tile it is in, and whatever
     form x takes for the tile (from 9 rows, the AVX-512 float32 tiles read x regrouped
-    in tiles of 12 rows; K = 37 leaves a part of 16 values)."""
+    in tiles of 12 rows, the AVX2 tiles in tiles of 6; K = 37 leaves a part of 16
+    values). K = 300 takes the AVX2 tiles over several spans of the panel, each
+    continuing the sums the one before left in y."""
     rng = np.random.default_rng(11)
-    w = rng.standard_normal((37, 70)).astype(np.float32)
+    w = rng.standard_normal((k, 70)).astype(np.float32)
     bias = paddle.to_tensor(rng.standard_normal(70).astype(np.float32))
     packed = cpu_linear.pack(w, weight_format, group_size)
-    x = rng.standard_normal((33, 37)).astype(np.float32)
+    x = rng.standard_normal((33, k)).astype(np.float32)
     alone = np.concatenate(
         [cpu_linear.linear(paddle.to_tensor(x[r : r + 1]), packed, bias).numpy() for r in range(33)]
     )
     for m in (8, 9, 12, 13, 25, 33):
         batch = cpu_linear.linear(paddle.to_tensor(x[:m]), packed, bias).numpy()
         np.testing.assert_array_equal(batch, alone[:m], err_msg=f"M = {m}")
+
+
+def test_int8_groups_that_spans_of_the_panel_cut_in_two(isa_path):
+    """Groups of 96 rows of K = 1000: the AVX2 tiles' spans of a panel (256 int8 rows)
+    end inside groups, and each span takes up the scale of the group it starts in."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((1000, 45)).astype(np.float32)
+    bias = rng.standard_normal(45).astype(np.float32)
+    packed = cpu_linear.pack_int8(w, 96)
+    weights = effective_weights(w, "int8", 96)
+    for m in (1, 3, 8, 13):
+        x = rng.standard_normal((m, 1000)).astype(np.float32)
+        y = cpu_linear.linear(paddle.to_tensor(x), packed, paddle.to_tensor(bias)).numpy()
+        x = multiplied_activations(x, "int8", isa_path, 96)
+        check_within(y, *reference_and_bound(x, weights, bias))
 
 
 @pytest.mark.parametrize("weight_format, group_size", FORMATS)
