@@ -183,19 +183,21 @@ def main(argv: list[str] | None = None) -> None:
         _when_orphaned(launcher, lambda: os.kill(os.getpid(), signal.SIGTERM))
     # SIGTERM while the model loads stops as Ctrl-C does (nothing to drain yet): the
     # engine process ignores both, so the server must stop it.
-    stopped_by = []
-    previous = {
-        signal.SIGTERM: signal.signal(signal.SIGTERM, functools.partial(_interrupt, stopped_by))
-    }
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when ignored
-        previous[signal.SIGINT] = signal.signal(
-            signal.SIGINT, functools.partial(_interrupt, stopped_by)
-        )
-    # Rank 0 binds its address before the model loads: a taken one is refused at once, and
-    # the port stays this server's while it loads (seconds to minutes).
-    listening = _bind(args.host, args.port) if rank == 0 else None
+    # Everything from the first handler on is inside the try: a signal may come at any
+    # bytecode (binding the address imports the idna codec, say).
+    stopped_by, previous, listening = [], {}, None
     try:
+        previous[signal.SIGTERM] = signal.signal(
+            signal.SIGTERM, functools.partial(_interrupt, stopped_by)
+        )
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when ignored
+            previous[signal.SIGINT] = signal.signal(
+                signal.SIGINT, functools.partial(_interrupt, stopped_by)
+            )
         if rank == 0:
+            # Bound before the model loads: a taken address is refused at once, and the
+            # port stays this server's while it loads (seconds to minutes).
+            listening = _bind(args.host, args.port)
             app, loop = build_app(args)
             try:
                 # While a stop signal still stops the start: importing uvicorn takes a
