@@ -1,14 +1,13 @@
 """paddle_step: KV-cache block scheduling and decode-input ops for Paddle,
 and a continuous-batching engine that drives them.
 
-The compiled ops and the engine load on first use, so ``paddle_step.check_state``
-(NumPy only) imports without paddle or a build.
+Everything loads on first use: ``paddle_step.check_state`` (NumPy only) imports without
+paddle or a build, and ``python -m paddle_step.serve`` reaches its stop-signal handlers
+before anything heavy imports.
 """
 
 import warnings
 from importlib import import_module
-
-from .spec.check_state import StateError, check_state
 
 # `import paddle` warns "No ccache found" (paddle.utils.cpp_extension looks for a compiler
 # cache when it is imported): a concern of whoever builds extensions, not of a user of the
@@ -21,6 +20,8 @@ warnings.filterwarnings(
 )
 
 _LAZY = {
+    "StateError": ".spec.check_state",
+    "check_state": ".spec.check_state",
     "advance_step": ".ops",
     "step_paddle": ".ops",
     "Engine": ".engine.llm_engine",
@@ -33,7 +34,7 @@ _LAZY = {
     "CheckpointError": ".errors",
 }
 
-__all__ = ["StateError", "check_state", *_LAZY]
+__all__ = list(_LAZY)
 
 
 def __getattr__(name):

@@ -245,16 +245,19 @@ def test_ctrl_c_exits_without_a_traceback_leaving_no_process():
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "term"])
 @pytest.mark.parametrize(
     "since, after_s",
-    [("server", 0.3), ("engine", 0.0), ("engine", 0.1), ("engine", 1.0)],
+    # From 0.15 s: before, the interpreter itself may be starting (runpy's imports), where
+    # Ctrl-C prints Python's own traceback whatever the program.
+    [("server", 0.15), ("server", 0.3), ("engine", 0.0), ("engine", 0.1), ("engine", 1.0)],
 )
 def test_ctrl_c_while_the_model_loads_exits_without_a_traceback(
     tmp_path, since, after_s, stop_signal
 ):
     """Ctrl-C or SIGTERM to the process group before the server serves, ``after_s`` after
-    the server or its engine process started: the server stops its engine process, which
-    ignores both while it loads (paddle's handler would print a crash report), and exits
-    quietly (130 or 143, or a SIGTERM's own status once uvicorn serves); nothing is left
-    behind. The engine's first moments are the new interpreter importing its target (the
+    the server or its engine process started (the server's first moments: its interpreter
+    importing, the flags parsed): the server stops its engine process, which ignores both
+    while it loads (paddle's handler would print a crash report), and exits quietly (130 or
+    143, or the signal's own status where it came before the handlers were set, or once
+    uvicorn serves); nothing is left behind. The engine's first moments are the new interpreter importing its target (the
     test below covers each moment of it)."""
     with starting_server(tmp_path) as (process, log_path):
         if since == "engine":
@@ -313,15 +316,16 @@ def test_a_stop_signal_a_library_reports_as_its_own_error_still_exits_quietly(mo
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "term"])
-@pytest.mark.parametrize("moment", ["bind", "server"])
+@pytest.mark.parametrize("moment", ["flags", "bind", "server"])
 def test_a_stop_signal_while_the_server_starts_stops_the_engine_and_exits_quietly(
     monkeypatch, stop_signal, moment
 ):
-    """Ctrl-C or SIGTERM while rank 0 binds its address (resolving it imports the idna
-    codec: a CI run's SIGTERM there ended the server with a traceback and status 1), or
-    after the model has loaded, while uvicorn imports and the server is made (it ended by
-    SIGINT with a traceback there, the engine not stopped): the server exits 130 or 143,
-    stopping the engine if it runs, and gives the signal handlers back."""
+    """Ctrl-C or SIGTERM while the flags are parsed (argparse asks the terminal's size), while
+    rank 0 binds its address (resolving it imports the idna codec: a CI run's SIGTERM there
+    ended the server with a traceback and status 1), or after the model has loaded, while
+    uvicorn imports and the server is made (it ended by SIGINT with a traceback there, the
+    engine not stopped): the server exits 130 or 143, stopping the engine if it runs, and
+    gives the signal handlers back."""
     from paddle_step.entrypoints.openai import cli
 
     stopped = []
@@ -336,7 +340,13 @@ def test_a_stop_signal_while_the_server_starts_stops_the_engine_and_exits_quietl
         raise AssertionError(f"signal {stop_signal} did not stop the server's start")
 
     monkeypatch.setattr(cli, "build_app", lambda _args: (object(), Loop()))
-    monkeypatch.setattr(cli, "_bind" if moment == "bind" else "_server", stop_signal_then_wait)
+    if moment == "flags":
+        parse_args = cli.parse_args
+        monkeypatch.setattr(
+            cli, "parse_args", lambda argv: (parse_args(argv), stop_signal_then_wait())
+        )
+    else:
+        monkeypatch.setattr(cli, f"_{moment}", stop_signal_then_wait)
     # Ctrl-C as a terminal delivers it: a job started in the background (CI) has SIGINT
     # ignored, which the server leaves so.
     outer = signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -165,28 +165,12 @@ def _is_loopback(host: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    missing = missing_serving_packages()
-    if missing:
-        raise SystemExit(
-            f"paddle_step.serve: the serving stack is not installed ({', '.join(missing)}); "
-            f"run `{sys.executable} -m pip install {' '.join(missing)}`"
-        )
-    args = parse_args(argv)
-    # The engine process inherits it: paddle's C++ INFO and WARNING lines about its
-    # internals stay out of the server log (errors still show; the environment wins).
-    os.environ.setdefault("GLOG_minloglevel", "2")
-    # With --tp > 1 (under paddle.distributed.launch) rank 0 serves HTTP; every rank runs
-    # an engine process, and rank 0's hands the others each batch of requests.
-    rank = int(os.environ.get("PADDLE_TRAINER_ID", "0")) if args.tp > 1 else 0
-    launcher = os.getppid()
-    if rank == 0 and args.tp > 1:  # drains, then its engine stops the others' (Stop)
-        _when_orphaned(launcher, lambda: os.kill(os.getpid(), signal.SIGTERM))
-    # SIGTERM while the model loads stops as Ctrl-C does (nothing to drain yet): the
-    # engine process ignores both, so the server must stop it.
-    # Everything from the first handler on is inside the try: a signal may come at any
-    # bytecode (binding the address imports the idna codec, say).
+    # Everything from the first handler on is inside the try: a stop signal may come at
+    # any bytecode (parsing the flags, binding the address, loading the model).
     stopped_by, previous, listening = [], {}, None
     try:
+        # SIGTERM while the model loads stops as Ctrl-C does (nothing to drain yet): the
+        # engine process ignores both, so the server must stop it.
         previous[signal.SIGTERM] = signal.signal(
             signal.SIGTERM, functools.partial(_interrupt, stopped_by)
         )
@@ -194,6 +178,22 @@ def main(argv: list[str] | None = None) -> None:
             previous[signal.SIGINT] = signal.signal(
                 signal.SIGINT, functools.partial(_interrupt, stopped_by)
             )
+        missing = missing_serving_packages()
+        if missing:
+            raise SystemExit(
+                f"paddle_step.serve: the serving stack is not installed ({', '.join(missing)}); "
+                f"run `{sys.executable} -m pip install {' '.join(missing)}`"
+            )
+        args = parse_args(argv)
+        # The engine process inherits it: paddle's C++ INFO and WARNING lines about its
+        # internals stay out of the server log (errors still show; the environment wins).
+        os.environ.setdefault("GLOG_minloglevel", "2")
+        # With --tp > 1 (under paddle.distributed.launch) rank 0 serves HTTP; every rank
+        # runs an engine process, and rank 0's hands the others each batch of requests.
+        rank = int(os.environ.get("PADDLE_TRAINER_ID", "0")) if args.tp > 1 else 0
+        launcher = os.getppid()
+        if rank == 0 and args.tp > 1:  # drains, then its engine stops the others' (Stop)
+            _when_orphaned(launcher, lambda: os.kill(os.getpid(), signal.SIGTERM))
         if rank == 0:
             # Bound before the model loads: a taken address is refused at once, and the
             # port stays this server's while it loads (seconds to minutes).
