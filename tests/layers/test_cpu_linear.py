@@ -39,6 +39,8 @@ SHAPES = (
     + [(m, 100, 15) for m in ROWS]
     + [(m, 896, 100) for m in (1, 8, 9, 33, 64)]
     + [(17, 100, 1), (3, 13, 100), (2, 1, 33), (7, 896, 4864)]
+    # AVX2 with x in tiles: two chunks of rows (96 + 5), three spans of K, a part panel
+    + [(101, 300, 45)]
 )
 
 
