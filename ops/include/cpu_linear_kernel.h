@@ -902,7 +902,7 @@ constexpr int64_t kSpanBytes = 8192;
 // Tiles of x take longer spans: a tile's call, and its sums' reload from y,
 // then come once per 128 rows of K (float32), not 64; the span (16 KB) and a
 // tile of x over it (3 KB) still stay in the first-level cache. Prefill-sized
-// products (96 to 512 rows) ran 15-30% faster on a Zen 3.
+// products (256 to 512 rows) ran 10-30% faster on a Zen 3.
 constexpr int64_t kTiledSpanBytes = 16384;
 // Rows of x multiplied by a thread's panels before the next rows: a span's
 // worth of so many rows of x stays in the second-level cache (a multiple of

@@ -257,8 +257,8 @@ def test_ctrl_c_while_the_model_loads_exits_without_a_traceback(
     importing, the flags parsed): the server stops its engine process, which ignores both
     while it loads (paddle's handler would print a crash report), and exits quietly (130 or
     143, or the signal's own status where it came before the handlers were set, or once
-    uvicorn serves); nothing is left behind. The engine's first moments are the new interpreter importing its target (the
-    test below covers each moment of it)."""
+    uvicorn serves); nothing is left behind. The engine's first moments are the new
+    interpreter importing its target (the test below covers each moment of it)."""
     with starting_server(tmp_path) as (process, log_path):
         if since == "engine":
             wait_for_engine(process, log_path)
