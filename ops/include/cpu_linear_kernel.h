@@ -1192,24 +1192,17 @@ PADDLE_STEP_AVX2_TABLES(TileBFloat16)
 PADDLE_STEP_AVX2_TABLES(TileInt8)
 #undef PADDLE_STEP_AVX2_TABLES
 
-// The problem as the tiles of a product read it. The caller's prefetch
-// distance is measured on untiled products (kSpanBytes spans: on a Zen 3 the
-// distance chosen for 8 rows was one span); a tiled span is kTiledSpanBytes
-// long, so its tiles ask as many spans ahead, further in proportion. At 12 and
-// 32 rows (a product from memory, one thread) the measured distance unscaled
-// left the second half of the next span to the hardware: 8-19% slower.
-inline LinearProblem ForSpans(const LinearProblem& p) {
-  LinearProblem spans = p;
-  if (p.x_tiles) {
-    spans.prefetch_bytes = p.prefetch_bytes * kTiledSpanBytes / kSpanBytes;
-    spans.prefetch_l2_bytes =
-        p.prefetch_l2_bytes * kTiledSpanBytes / kSpanBytes;
-  }
-  return spans;
-}
-
 inline void Panels(const LinearProblem& problem, int64_t begin, int64_t end) {
-  const LinearProblem p = ForSpans(problem);
+  // A span may end inside an int8 group: each span loads its groups' scales.
+  const int64_t span_bytes = problem.x_tiles ? kTiledSpanBytes : kSpanBytes;
+  // The caller's prefetch distance is measured on untiled products (kSpanBytes
+  // spans: on a Zen 3 the distance chosen for 8 rows was one span); longer
+  // spans ask as many spans ahead, further in proportion. At 12 and 32 rows
+  // (a product from memory, one thread) the distance unscaled left the second
+  // half of the next span to the hardware: 8-19% slower.
+  LinearProblem p = problem;
+  p.prefetch_bytes = problem.prefetch_bytes * span_bytes / kSpanBytes;
+  p.prefetch_l2_bytes = problem.prefetch_l2_bytes * span_bytes / kSpanBytes;
   const bool wide = p.m <= kWideRows;
   const TileFunction* tiles =
       wide        ? ForFormat(p.w.format, TileFloat32Wide(), TileBFloat16Wide(),
@@ -1222,8 +1215,6 @@ inline void Panels(const LinearProblem& problem, int64_t begin, int64_t end) {
   const int64_t row_bytes = p.w.format == WeightFormat::kInt8
                                 ? kPanelWidth
                                 : 4 * kPanelWidth;  // float32, bfloat16 pairs
-  // A span may end inside an int8 group: each span loads its groups' scales.
-  const int64_t span_bytes = p.x_tiles ? kTiledSpanBytes : kSpanBytes;
   const int64_t span_rows = std::max<int64_t>(1, span_bytes / row_bytes);
   // A PrefetchRow covers 128 bytes: 4 rows of int8.
   const int64_t rows_per_prefetch = 4 * kPanelWidth / row_bytes;
