@@ -881,10 +881,15 @@ inline void Panels(const LinearProblem& p, int64_t begin, int64_t end) {
 // span, so the span is read from memory once and then from the first-level
 // cache; the tiles of later spans continue the sums they left in y (in the
 // order of k, so the bits are those of one pass). The span's tiles share
-// asking for its lines a measured distance ahead (near a span's length: the
-// next span, while they compute). Half-panel tiles over the whole of K read
-// each panel from memory twice, every other line: at 8 rows a product ran at
-// a quarter of the read bandwidth on a Zen 3 (docs/performance-cpu.md).
+// asking for lines a measured distance ahead (near a span's length: the next
+// span, while they compute), in the order the next span's first tile reads
+// them: each tile asks for a stretch of consecutive rows, the first tile for
+// the first stretch. Asking in turn (tile i for every passes-th row from the
+// i-th) left the next span's first tile waiting for rows asked for last:
+// 4 to 12 rows from memory ran 8-12% slower on a Zen 3. Half-panel tiles
+// over the whole of K read each panel from memory twice, every other line: at
+// 8 rows a product ran at a quarter of the read bandwidth on a Zen 3
+// (docs/performance-cpu.md).
 // Large M also takes rows of x kChunkRows at a time (x read in tiles of 6
 // rows): 2,048 rows ran at half the rate of 512 without.
 #pragma GCC push_options
@@ -911,8 +916,10 @@ constexpr int64_t kChunkRows = 96;
 
 // Storage rows [begin, end) of a panel (pairs of k for bfloat16), whether
 // they start a tile's sums and end them (the bias and int8's column scale
-// come with the last), and the rows whose lines ahead the tile asks for: from
-// prefetch_row, every prefetch_step rows (the span's tiles share the asking).
+// come with the last), and the tile's share of asking for the rows ahead:
+// at row prefetch_row and every prefetch_step rows after it, it asks for the
+// lines the distance past row prefetch_target, then prefetch_rows rows
+// further (the span's tiles share the asking).
 struct Span {
   int64_t begin;
   int64_t end;
@@ -920,6 +927,8 @@ struct Span {
   bool last;
   int64_t prefetch_row;
   int64_t prefetch_step;
+  int64_t prefetch_target;
+  int64_t prefetch_rows;
 };
 
 // See avx512_path::PrefetchAhead; a 128-byte panel row is two lines.
@@ -1037,10 +1046,12 @@ void TileFloat32(const LinearProblem& p, int64_t panel, int64_t row,
   const int64_t end = span.end;
   const int64_t step = span.prefetch_step;
   int64_t prefetch_row = span.prefetch_row;  // >= span.begin
+  int64_t target = span.prefetch_target;
   for (int64_t kk = span.begin; kk < end;) {
     if (kk == prefetch_row) {
-      PrefetchRow(w + kk * kPanelWidth, ahead, l2_ahead);
+      PrefetchRow(w + target * kPanelWidth, ahead, l2_ahead);
       prefetch_row += step;
+      target += span.prefetch_rows;
     }
     const int64_t stop = std::min(end, prefetch_row);
     for (; kk < stop; ++kk) {
@@ -1072,12 +1083,14 @@ void TileBFloat16(const LinearProblem& p, int64_t panel, int64_t row,
   const int64_t l2_ahead = p.prefetch_l2_bytes;
   Accumulators<kTileRows, kVectors, kTiledX> acc(p, panel, row, column, span);
   int64_t prefetch_row = span.prefetch_row;
+  int64_t target = span.prefetch_target;
   for (int64_t s = span.begin; s < span.end; ++s) {
     // A pair row holds 2 values per column: column c starts at element 2c.
     const uint16_t* pair_row = w + s * 2 * kPanelWidth;
     if (s == prefetch_row) {
-      PrefetchRow(pair_row, ahead, l2_ahead);
+      PrefetchRow(w + target * 2 * kPanelWidth, ahead, l2_ahead);
       prefetch_row += span.prefetch_step;
+      target += span.prefetch_rows;
     }
     const __m256i* in = reinterpret_cast<const __m256i*>(pair_row + 2 * column);
     __m256i q[kVectors];
@@ -1119,6 +1132,7 @@ void TileInt8(const LinearProblem& p, int64_t panel, int64_t row,
   Accumulators<kTileRows, kVectors, kTiledX> acc(p, panel, row, column, span);
   __m256 scale[kVectors];
   int64_t prefetch_row = span.prefetch_row;
+  int64_t target = span.prefetch_target;
   for (int64_t kk = span.begin; kk < span.end;) {
     const int64_t g = kk / group_size;
 #pragma GCC unroll 4
@@ -1129,8 +1143,9 @@ void TileInt8(const LinearProblem& p, int64_t panel, int64_t row,
     for (; kk < group_end; ++kk) {
       const int8_t* in = w + kk * kPanelWidth;
       if (kk == prefetch_row) {
-        PrefetchRow(in, ahead, l2_ahead);
+        PrefetchRow(w + target * kPanelWidth, ahead, l2_ahead);
         prefetch_row += span.prefetch_step;
+        target += span.prefetch_rows;
       }
       __m256 v[kVectors];
 #pragma GCC unroll 4
@@ -1229,17 +1244,28 @@ inline void Panels(const LinearProblem& problem, int64_t begin, int64_t end) {
       const int64_t halves = wide                               ? 1
                              : panel * kPanelWidth + 16 < p.w.n ? 2
                                                                 : 1;
+      const int64_t passes = halves * blocks;  // tiles over each span
       for (int64_t s = 0; s < rows; s += span_rows) {
-        Span span{s,      std::min(rows, s + span_rows),
-                  s == 0, s + span_rows >= rows,
-                  s,      halves * blocks * rows_per_prefetch};
+        const int64_t span_end = std::min(rows, s + span_rows);
+        const int64_t asks =
+            (span_end - s + rows_per_prefetch - 1) / rows_per_prefetch;
+        Span span{s,      span_end,
+                  s == 0, span_end == rows,
+                  s,      passes * rows_per_prefetch,
+                  s,      rows_per_prefetch};
+        int64_t pass = 0;
         for (int64_t block = 0, row = chunk; block < blocks; ++block) {
           const int64_t block_rows =
               p.x_tiles ? std::min<int64_t>(kTileRowsOfX, chunk + m - row)
                         : m / blocks + (block < m % blocks ? 1 : 0);
-          for (int64_t half = 0; half < halves; ++half) {
+          for (int64_t half = 0; half < halves; ++half, ++pass) {
             tiles[block_rows](p, panel, row, 16 * half, span);
+            // Pass q asks at every passes-th of the span's asks from the
+            // q-th, for the stretch of rows after the last pass's.
             span.prefetch_row += rows_per_prefetch;
+            const int64_t pass_asks =
+                pass < asks ? (asks - pass + passes - 1) / passes : 0;
+            span.prefetch_target += pass_asks * rows_per_prefetch;
           }
           row += block_rows;
         }
