@@ -884,9 +884,9 @@ inline void Panels(const LinearProblem& p, int64_t begin, int64_t end) {
 // asking for lines a measured distance ahead (near a span's length: the next
 // span, while they compute), in the order the next span's first tile reads
 // them: each tile asks for a stretch of consecutive rows, the first tile for
-// the first stretch. Asking in turn (tile i for every passes-th row from the
+// the first stretch. Asking in turn (tile i of n for every n-th row from the
 // i-th) left the next span's first tile waiting for rows asked for last:
-// 4 to 12 rows from memory ran 8-12% slower on a Zen 3. Half-panel tiles
+// 3 to 12 rows from memory ran 8-14% slower on a Zen 3. Half-panel tiles
 // over the whole of K read each panel from memory twice, every other line: at
 // 8 rows a product ran at a quarter of the read bandwidth on a Zen 3
 // (docs/performance-cpu.md).
