@@ -295,6 +295,39 @@ def test_sigterm_during_a_string_exec_exits_143_not_by_sigint(tmp_path):
     assert probe.stderr == ""
 
 
+LOAD_INTERRUPT_PROBE = """
+import os, runpy, signal, sys, types
+
+def interrupted_import(name):
+    # As an extension module importing a module of its own when Ctrl-C comes: it reports an
+    # ImportError of its own, the KeyboardInterrupt gone (NumPy's did, 0.15 s into a start).
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(10**7):
+            pass
+    except KeyboardInterrupt:
+        pass
+    raise ImportError("PyCapsule_Import could not import module 'datetime'")
+
+cli = types.ModuleType("paddle_step.entrypoints.openai.cli")
+cli.__getattr__ = interrupted_import
+sys.modules[cli.__name__] = cli
+runpy.run_module("paddle_step.serve", run_name="__main__")
+"""
+
+
+def test_ctrl_c_a_module_reports_as_an_import_error_while_the_server_loads_exits_130():
+    """Ctrl-C while the server's modules load, turned by an extension module into an
+    ImportError: the server still exits 130, quietly (it printed NumPy's ImportError and
+    exited 1)."""
+    probe = subprocess.run(
+        [sys.executable, "-c", LOAD_INTERRUPT_PROBE], capture_output=True, text=True,
+        timeout=60, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    assert probe.returncode == 128 + signal.SIGINT, probe.stderr
+    assert probe.stderr == ""
+
+
 def test_a_stop_signal_a_library_reports_as_its_own_error_still_exits_quietly(monkeypatch):
     """SIGTERM while the server starts, which a library turns into an error of its own
     (pydantic-core building a schema wraps it in a SchemaError): the server still exits
