@@ -271,10 +271,10 @@ def test_ctrl_c_while_the_model_loads_exits_without_a_traceback(
 
 STOP_PROBE = """
 import functools, os, signal
-from paddle_step.entrypoints.openai import cli
+from paddle_step.entrypoints.openai import stop_signals
 
 stopped_by = []
-signal.signal(signal.SIGTERM, functools.partial(cli._interrupt, stopped_by))
+signal.signal(signal.SIGTERM, functools.partial(stop_signals.interrupt, stopped_by))
 try:  # a string run by exec, as namedtuple and dataclasses do while modules import
     exec("os.kill(os.getpid(), signal.SIGTERM)\\nfor _ in range(10**6): pass")
 except KeyboardInterrupt:

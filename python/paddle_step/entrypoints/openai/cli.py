@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import importlib.util
 import ipaddress
 import logging
@@ -31,6 +30,7 @@ from ...engine.arg_utils import (
 )
 from ...engine.core_client import EngineLoop
 from ...engine.core_proc import ignore_stop_signals
+from .stop_signals import catch_stop_signals, restore_handlers
 
 __all__ = ["build_app", "main", "missing_serving_packages", "parse_args"]
 
@@ -171,13 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # SIGTERM while the model loads stops as Ctrl-C does (nothing to drain yet): the
         # engine process ignores both, so the server must stop it.
-        previous[signal.SIGTERM] = signal.signal(
-            signal.SIGTERM, functools.partial(_interrupt, stopped_by)
-        )
-        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when ignored
-            previous[signal.SIGINT] = signal.signal(
-                signal.SIGINT, functools.partial(_interrupt, stopped_by)
-            )
+        catch_stop_signals(stopped_by, previous)
         missing = missing_serving_packages()
         if missing:
             raise SystemExit(
@@ -222,8 +216,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"paddle_step.serve: {error}") from None
         raise
     finally:
-        for stop_signal, handler in previous.items():
-            signal.signal(stop_signal, handler)
+        restore_handlers(previous)
     if rank != 0:
         # Its engine lives as long as rank 0's: stopped by its Stop, or ended when rank 0
         # is gone. Stopping here would end rank 0's drain (the collectives need every
@@ -310,18 +303,6 @@ def _bind(host: str, port: int) -> socket.socket:
         raise SystemExit(
             f"paddle_step.serve: cannot listen on {host}:{port}: {error.strerror or error}"
         ) from None
-
-
-class _StopSignal(KeyboardInterrupt):
-    """SIGTERM or Ctrl-C while the model loads. Not a plain KeyboardInterrupt: CPython (3.11 here)
-    marks a plain one raised inside ``exec``/``eval`` of a string (namedtuple and dataclass
-    code run so while modules import) as unhandled even once caught, and then ends a
-    ``-m`` program by SIGINT, silently, instead of with its exit status."""
-
-
-def _interrupt(stopped_by: list, signum: int, _frame) -> None:
-    stopped_by.append(signum)
-    raise _StopSignal
 
 
 def _when_orphaned(launcher: int, stop: Callable[[], object]) -> None:
