@@ -33,6 +33,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_avx2_transpose.h"
 #include "cpu_avx512_transpose.h"
 #include "cpu_bfloat16.h"
 #include "cpu_float_math.h"
@@ -114,14 +115,14 @@ PADDLE_STEP_LOOP_INLINE void PrefetchRow(const void* row, int64_t bytes) {
 #endif
 }
 
-// The keys of a bfloat16 cache that plain C++ loops read (Dot, the last dims
-// of 16 keys) are widened into float32 scratch first, and those loops run on
-// it as on a float32 cache: the compiler compiles such a loop by its form
-// (vectorized with each product rounded, or one fused multiply-add at a time),
-// so only the same loop over float32 arrays surely gets the float32 kernel's
-// bits. The vector code (intrinsics) widens in registers as it loads. The
-// values' last dims, gathered one key at a time, widen in place: GCC keeps
-// that loop scalar for float32 too (the bfloat16 tests check the bits).
+// The keys of a bfloat16 cache that plain C++ loops read (Dot) are widened into
+// float32 scratch first, and those loops run on it as on a float32 cache: the
+// compiler compiles such a loop by its form (vectorized with each product
+// rounded, or one fused multiply-add at a time), so only the same loop over
+// float32 arrays surely gets the float32 kernel's bits. The vector code
+// (intrinsics) widens in registers as it loads. The values' last dims, gathered
+// one key at a time, widen in place: GCC keeps that loop scalar for float32 too
+// (the bfloat16 tests check the bits).
 
 // out[0 .. count) = in[0 .. count) widened, on Floats' vectors.
 template <typename Floats>
@@ -213,70 +214,78 @@ PADDLE_STEP_LOOP_INLINE void WeightedVectorsOf(int64_t heads,
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#define PADDLE_STEP_ATTENTION_AVX512 1
+#define PADDLE_STEP_ATTENTION_X86 1
 #pragma GCC push_options
 #pragma GCC target("avx512f,fma")
 
-// firsts[k] = the sum of q[e] * key[slots[k] * stride + e] over the last
-// dims e in [d, head_dim), one by one, for 16 keys.
-PADDLE_STEP_LOOP_INLINE void SumsOfLastDims(const float* q, const float* key,
-                                            const int64_t* slots,
-                                            int64_t stride, int64_t d,
-                                            int64_t head_dim, float* firsts) {
-  for (int k = 0; k < 16; ++k) {
-    float total = 0.0f;
-    for (int64_t e = d; e < head_dim; ++e) {
-      total += q[e] * key[slots[k] * stride + e];
-    }
-    firsts[k] = total;
-  }
-}
-
-// out[k] = Dot(q, key row of slots[k], head_dim) * scale for 16 keys, with
-// Dot's own sums (16 lanes of multiply-adds in order of the dims, the last
-// dims one by one, then the lanes in order) computed for the 16 keys side by
-// side: the lanes are transposed so that key k's lane e is lane k of one
-// vector, and the vectors are added in order of e. Bit for bit Dot's result,
-// at a fraction of its horizontal adds. Keys of float32 or bfloat16 (widened
-// as loaded; their last dims staged in `staged`, [16, head_dim] floats). Not
-// always_inline: the generic AttendRows template calls it, and it inlines
+// out[k] = Dot(q, key row of slots[k], head_dim) * scale for 16 keys, head_dim
+// a multiple of 16, with Dot's own sums (16 lanes of multiply-adds in order
+// of the dims, then the lanes in order) computed for the 16 keys side by side:
+// the lanes are transposed so that key k's lane e is lane k of one vector, and
+// the vectors are added in order of e. Bit for bit Dot's result, at a fraction
+// of its horizontal adds. Keys of float32 or bfloat16 (widened as loaded).
+// Not always_inline: the generic AttendRows template calls it, and it inlines
 // once that is compiled for AVX-512 (RunOn).
 template <typename Cache>
-inline void ScoresOf16Keys(const float* q, const Cache* key,
-                           const int64_t* slots, int64_t stride,
-                           int64_t head_dim, float scale, float* out,
-                           float* staged) {
+inline void ScoresOfKeys(Avx512Floats, const float* q, const Cache* key,
+                         const int64_t* slots, int64_t stride, int64_t head_dim,
+                         float scale, float* out) {
   __m512 lanes[16];
   for (int k = 0; k < 16; ++k) lanes[k] = _mm512_setzero_ps();
-  int64_t d = 0;
-  for (; d + 16 <= head_dim; d += 16) {
+  for (int64_t d = 0; d < head_dim; d += 16) {
     const __m512 qv = _mm512_loadu_ps(q + d);
     for (int k = 0; k < 16; ++k) {
       lanes[k] = _mm512_fmadd_ps(
           qv, Avx512Floats::Load(key + slots[k] * stride + d), lanes[k]);
     }
   }
-  alignas(64) float firsts[16];  // each key's last dims, summed first
-  if constexpr (std::is_same_v<Cache, float>) {
-    (void)staged;
-    SumsOfLastDims(q, key, slots, stride, d, head_dim, firsts);
-  } else {  // key k's last dims at row k of `staged`
-    static constexpr int64_t kRows[16] = {0, 1, 2,  3,  4,  5,  6,  7,
-                                          8, 9, 10, 11, 12, 13, 14, 15};
-    for (int k = 0; k < 16; ++k) {
-      for (int64_t e = d; e < head_dim; ++e) {
-        staged[k * head_dim + e] = Widened(key[slots[k] * stride + e]);
-      }
-    }
-    SumsOfLastDims(q, staged, kRows, head_dim, d, head_dim, firsts);
-  }
   Transpose16(lanes);
-  __m512 total = _mm512_load_ps(firsts);
+  __m512 total = _mm512_setzero_ps();
   for (int e = 0; e < 16; ++e) total = _mm512_add_ps(total, lanes[e]);
   _mm512_storeu_ps(out, _mm512_mul_ps(total, _mm512_set1_ps(scale)));
 }
 
 #pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+// The same for 8 keys on AVX2, where Dot's 16 lanes are two vectors: lanes
+// 0-7 of the 8 keys, then lanes 8-15 (8 sums and q in registers at a time, of
+// AVX2's 16), each half transposed, and the 16 vectors added in order of the
+// lane. Bit for bit Dot's result.
+template <typename Cache>
+inline void ScoresOfKeys(Avx2Floats, const float* q, const Cache* key,
+                         const int64_t* slots, int64_t stride, int64_t head_dim,
+                         float scale, float* out) {
+  __m256 lanes[2][8];
+  for (int half = 0; half < 2; ++half) {
+    __m256* sums = lanes[half];
+    for (int k = 0; k < 8; ++k) sums[k] = _mm256_setzero_ps();
+    for (int64_t d = 8 * half; d < head_dim; d += 16) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+      for (int k = 0; k < 8; ++k) {
+        sums[k] = _mm256_fmadd_ps(
+            qv, Avx2Floats::Load(key + slots[k] * stride + d), sums[k]);
+      }
+    }
+    Transpose8(sums);
+  }
+  __m256 total = _mm256_setzero_ps();
+  for (int half = 0; half < 2; ++half) {
+    for (int e = 0; e < 8; ++e) total = _mm256_add_ps(total, lanes[half][e]);
+  }
+  _mm256_storeu_ps(out, _mm256_mul_ps(total, _mm256_set1_ps(scale)));
+}
+
+#pragma GCC pop_options
+
+// How many keys ScoresOfKeys takes at once on Floats' vectors (0: none,
+// each key's Dot alone).
+template <typename Floats>
+constexpr int64_t kKeysAtOnce = std::is_same_v<Floats, Avx512Floats> ? 16
+                                : std::is_same_v<Floats, Avx2Floats> ? 8
+                                                                     : 0;
 #endif
 
 // o[d] = sum over j of weights[j] * v_j[d] for the dims d in [first,
@@ -315,19 +324,25 @@ PADDLE_STEP_LOOP_INLINE void AttendRows(
   const int64_t row_bytes =
       heads / group * head_dim * static_cast<int64_t>(sizeof(Cache));
   int64_t j = 0;
-#ifdef PADDLE_STEP_ATTENTION_AVX512
-  if constexpr (std::is_same_v<Floats, Avx512Floats>) {
-    const int64_t rows_per_head = (16 + heads - 1) / heads;
-    for (; j + 16 <= count; j += 16) {
+#ifdef PADDLE_STEP_ATTENTION_X86
+  // Keys are grouped only where head_dim is a multiple of 16: Dot's result is
+  // then its 16 lanes alone. Its last dims one by one are a loop the compiler
+  // vectorizes its own way wherever it is inlined: no copy matches its bits.
+  if constexpr (kKeysAtOnce<Floats> > 0) {
+    constexpr int64_t kKeys = kKeysAtOnce<Floats>;
+    const int64_t grouped = head_dim % 16 == 0 ? count : 0;
+    const int64_t rows_per_head = (kKeys + heads - 1) / heads;
+    for (; j + kKeys <= grouped; j += kKeys) {
       for (int64_t h = 0; h < heads; ++h) {
-        // The next 16 keys' rows, spread over the heads' turns.
-        const int64_t end = std::min({count, j + 16 + (h + 1) * rows_per_head,
-                                      j + 32});
-        for (int64_t next = j + 16 + h * rows_per_head; next < end; ++next) {
+        // The next kKeys keys' rows, spread over the heads' turns.
+        const int64_t end = std::min(
+            {count, j + kKeys + (h + 1) * rows_per_head, j + 2 * kKeys});
+        for (int64_t next = j + kKeys + h * rows_per_head; next < end; ++next) {
           PrefetchRow(key + slots[next] * stride, row_bytes);
         }
-        ScoresOf16Keys(q + h * head_dim, key + h / group * head_dim, slots + j,
-                       stride, head_dim, scale, scores + h * count + j, staged);
+        ScoresOfKeys(Floats{}, q + h * head_dim, key + h / group * head_dim,
+                     slots + j, stride, head_dim, scale,
+                     scores + h * count + j);
       }
     }
   }
@@ -437,9 +452,9 @@ struct AttendRowsLoop {
 };
 
 // The floats AttendRows stages a bfloat16 cache's values in: a row of the
-// run's KV heads (Dot's keys), or the last dims of 16 keys.
+// run's KV heads (Dot's keys).
 inline int64_t StagedFloats(int64_t kv_heads, int64_t head_dim) {
-  return std::max(kv_heads, int64_t{16}) * head_dim;
+  return kv_heads * head_dim;
 }
 
 // Working memory of one thread: the visible slots, the scores and (bfloat16

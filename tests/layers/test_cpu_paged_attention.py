@@ -88,6 +88,35 @@ def test_float32_matches_reference(float_isa_path, shape, table_dtype):
     assert not np.any(out[rows == 4]), "a token that sees no key gets zeros"
 
 
+@pytest.mark.parametrize("head_dim, count", [(16, 13), (64, 43), (80, 77), (27, 27)])
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+def test_keys_scored_together_get_each_keys_own_dot_product(float_isa_path, head_dim, count,
+                                                            cache_dtype):  # fmt: skip
+    """AVX2 scores 8 keys at a time and AVX-512 16 (head dims of 16s), the rest one by one:
+    with every key the same vector, every score has the same bits only if the grouped sums
+    are the lone key's, and then each weight is exactly 1 / count. Value j = e_j (one-hot)
+    makes the output those weights. Blocks in shuffled order, so the slots jump."""
+    heads, kv_heads, block_size = 4, 2, 4
+    rng = np.random.default_rng(head_dim)
+    blocks = -(-count // block_size)
+    table = rng.permutation(blocks)
+    key = np.empty((1, blocks * block_size, kv_heads, head_dim), np.float32)
+    key[:] = rng.standard_normal((kv_heads, head_dim))
+    value = np.zeros_like(key)
+    for j in range(count):
+        value[0, table[j // block_size] * block_size + j % block_size, :, j] = 1
+    q = 3 * rng.standard_normal((1, heads, head_dim)).astype(np.float32)
+    cache = [paddle.to_tensor(a).astype(cache_dtype) for a in (key, value)]
+    index = [paddle.to_tensor(a) for a in (table[None].astype(np.int32), np.array([0]),
+                                           np.array([count - 1]))]  # fmt: skip
+    out = paddle_step_ops.cpu_decode_attention(
+        paddle.to_tensor(q), (*cache, 0, *index, block_size), 1 / math.sqrt(head_dim)
+    ).numpy()
+    expected = np.zeros((1, heads * head_dim), np.float32)
+    expected.reshape(heads, head_dim)[:, :count] = np.float32(1 / count)
+    np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))
+
+
 @pytest.mark.parametrize("shape", SHAPES[:4])
 def test_float64_matches_reference(shape):
     rng = np.random.default_rng(7 + sum(shape))
