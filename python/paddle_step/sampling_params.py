@@ -102,7 +102,8 @@ class SamplingParams:
     ``seed`` keys the request's draws (same seed, same tokens, whatever the batch).
     ``logprobs`` k: the sampled token's logprob and the k most likely alternatives per
     generated position; ``prompt_logprobs`` k: the same for each prompt position after the
-    first. ``n`` samples are returned of ``best_of`` (>= n) drawn. ``constraint``
+    first. ``n`` samples are returned of ``best_of`` (>= n) drawn, at most 4,096 a
+    request (``Engine.add_request`` refuses more). ``constraint``
     restricts the next token (structured output).
     """
 

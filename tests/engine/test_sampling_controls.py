@@ -249,3 +249,18 @@ def test_refusals(model):
     with pytest.raises(ValueError, match="'n': expected 1 with a constraint"):
         engine.add_request([1], SamplingParams(max_tokens=2, n=2, constraint=constraint))
     assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    "fields, name, draws", [(dict(n=2**31), "n", 2**31), (dict(n=2, best_of=4097), "best_of", 4097)]
+)
+def test_more_draws_than_a_request_may_make_are_refused_at_once(model, fields, name, draws):
+    """Each draw is a sequence made when the request is added: n = 2**31 filled the memory
+    before; now it is refused by name, and a request at the cap is taken."""
+    engine = Engine(model, GENEROUS)
+    expected = f"'{name}': expected at most 4096 samples a request, got {draws}"
+    with pytest.raises(ValueError, match=expected):
+        engine.add_request(PROMPT, SamplingParams(temperature=1.0, **fields))
+    assert not engine.has_unfinished()
+    engine.add_request(PROMPT, SamplingParams(max_tokens=1, temperature=1.0, n=4096))
+    assert engine.num_waiting == 4096

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from ..config import EngineConfig
 
 __all__ = [
+    "MAX_DRAWS",
     "MAX_EOS_IDS",
     "MAX_LOGIT_BIAS",
     "MAX_STOP_IDS",
@@ -34,6 +35,9 @@ MAX_STOP_TOKEN_IDS = 8
 MAX_STOP_IDS = MAX_EOS_IDS + MAX_STOP_TOKEN_IDS
 # Room for each slot's logit_bias entries on the device (OpenAI's own API caps them at 300).
 MAX_LOGIT_BIAS = 300
+# Samples one request draws (best_of, else n): each is a sequence of its own, made when the
+# request is added, so a mistyped n (2**31) would fill the memory before it failed.
+MAX_DRAWS = 4096
 
 
 def normalize_eos(
@@ -209,6 +213,12 @@ class Request:
                 f"entries, got {len(params.logit_bias)}"
             )
         draws = params.best_of or params.n
+        if draws > MAX_DRAWS:
+            name = "best_of" if params.best_of else "n"
+            raise ValueError(
+                f"add_request: argument '{name}': expected at most {MAX_DRAWS} samples a "
+                f"request, got {draws}"
+            )
         if draws > 1 and params.constraint is not None:
             raise ValueError(
                 f"add_request: argument 'n': expected 1 with a constraint (one constraint "
