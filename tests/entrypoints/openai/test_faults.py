@@ -242,6 +242,29 @@ def test_ctrl_c_exits_without_a_traceback_leaving_no_process():
         check_no_orphans(children)
 
 
+def test_ctrl_c_twice_ends_running_requests_with_their_error_at_once():
+    """A second Ctrl-C was uvicorn's forced exit: the running streams were cut mid-write
+    (no error event, no ``[DONE]``) with a CancelledError traceback each in the log. Now
+    each request ends at once with its error, and the server exits quietly."""
+    with spawn_server([*FLAGS, "--shutdown-timeout", "60"]) as server:
+        children = descendants(server.process.pid)
+
+        def ctrl_c_twice():
+            server.process.send_signal(signal.SIGINT)
+            time.sleep(0.3)  # the first only starts the drain, for up to 60 s
+            server.process.send_signal(signal.SIGINT)
+
+        streams, wholes, fault_at = asyncio.run(
+            in_flight_then(server.url, ctrl_c_twice, settle=True)
+        )
+        check_ended_with_errors(streams, wholes, fault_at)
+        for lines, _ended_at in streams:
+            assert "Ctrl-C twice" in json.loads(lines[-2])["error"]["message"]
+        assert server.process.wait(60) in (0, 130), server.log()
+        assert "Traceback" not in server.log(), server.log()
+        check_no_orphans(children)
+
+
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "term"])
 @pytest.mark.parametrize(
     "since, after_s",

@@ -246,13 +246,31 @@ def main(argv: list[str] | None = None) -> None:
 def _server(app, loop: EngineLoop, args: argparse.Namespace):
     """uvicorn's server, whose shutdown (SIGTERM, Ctrl-C) refuses new requests at once,
     lets running ones go on for up to ``--shutdown-timeout`` and then ends them with an
-    error, before the engine process is stopped."""
+    error, before the engine process is stopped. A second Ctrl-C ends them at once."""
     import uvicorn
 
     drain_s = args.shutdown_timeout
 
     class DrainingServer(uvicorn.Server):
+        event_loop: asyncio.AbstractEventLoop | None = None
+        ended_early = False
+
+        def handle_exit(self, sig: int, frame) -> None:
+            # uvicorn takes a second Ctrl-C as a forced exit: it stops waiting, and asyncio
+            # then cancels the running streams mid-write (a cut stream for the client, a
+            # CancelledError traceback each in the log). Here the second ends them at once
+            # with their error, and the shutdown finishes as a graceful one; a third still
+            # forces it. The signal handler only schedules: end_all takes locks.
+            if self.should_exit and sig == signal.SIGINT and not self.ended_early:
+                if self.event_loop is not None:
+                    self.ended_early = True
+                    message = "the server was stopped (Ctrl-C twice) before the request finished"
+                    self.event_loop.call_soon_threadsafe(loop.end_all, message)
+                    return
+            super().handle_exit(sig, frame)
+
         async def startup(self, sockets=None) -> None:
+            self.event_loop = asyncio.get_running_loop()
             await super().startup(sockets)
             if self.started:  # uvicorn says where only for a socket it bound itself
                 host, port = sockets[0].getsockname()[:2]
