@@ -1,6 +1,7 @@
 // Float32 vectors of each instruction set behind one interface, so that a
 // loop is written once as a template over it (kLanes, Vec, Broadcast, Zero,
-// Load, Store, Add, MulAdd, Sum) and instantiated per instruction set.
+// Load, Store, Add, Mul, MulAdd, Sum, Transpose) and instantiated per
+// instruction set.
 // Load also takes bfloat16 (uint16_t bits) and widens them to float32 exactly
 // (the bits shifted up 16), so a loop over a bfloat16 array computes on the
 // very floats a float32 array of the widened values would give it.
@@ -16,6 +17,8 @@
 
 #include <cstdint>
 
+#include "cpu_avx2_transpose.h"
+#include "cpu_avx512_transpose.h"
 #include "cpu_bfloat16.h"
 #include "cpu_isa.h"
 
@@ -35,8 +38,11 @@ struct ScalarFloats {
   static Vec Load(const uint16_t* data) { return FloatFromBFloat16(*data); }
   static void Store(float* data, Vec value) { *data = value; }
   static Vec Add(Vec a, Vec b) { return a + b; }
+  static Vec Mul(Vec a, Vec b) { return a * b; }
   static Vec MulAdd(Vec a, Vec b, Vec c) { return a * b + c; }
   static float Sum(Vec value) { return value; }
+  // v[r][j] -> v[j][r] over kLanes vectors: nothing to move for one lane.
+  static void Transpose(Vec*) {}
 };
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -56,6 +62,7 @@ struct Avx2Floats {
   }
   static void Store(float* data, Vec value) { _mm256_storeu_ps(data, value); }
   static Vec Add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+  static Vec Mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
   static Vec MulAdd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
   // Lane by lane, in order.
   static float Sum(Vec value) {
@@ -65,6 +72,7 @@ struct Avx2Floats {
     for (float lane : lanes) total += lane;
     return total;
   }
+  static void Transpose(Vec* v) { Transpose8(v); }
 };
 #pragma GCC pop_options
 
@@ -84,8 +92,10 @@ struct Avx512Floats {
   }
   static void Store(float* data, Vec value) { _mm512_storeu_ps(data, value); }
   static Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+  static Vec Mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
   static Vec MulAdd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
   static float Sum(Vec value) { return _mm512_reduce_add_ps(value); }
+  static void Transpose(Vec* v) { Transpose16(v); }
 };
 #pragma GCC pop_options
 #endif

@@ -33,8 +33,6 @@
 #include <type_traits>
 #include <vector>
 
-#include "cpu_avx2_transpose.h"
-#include "cpu_avx512_transpose.h"
 #include "cpu_bfloat16.h"
 #include "cpu_float_math.h"
 #include "cpu_float_vectors.h"
@@ -213,80 +211,40 @@ PADDLE_STEP_LOOP_INLINE void WeightedVectorsOf(int64_t heads,
   }
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define PADDLE_STEP_ATTENTION_X86 1
-#pragma GCC push_options
-#pragma GCC target("avx512f,fma")
-
-// out[k] = Dot(q, key row of slots[k], head_dim) * scale for 16 keys, head_dim
-// a multiple of 16, with Dot's own sums (16 lanes of multiply-adds in order
-// of the dims, then the lanes in order) computed for the 16 keys side by side:
-// the lanes are transposed so that key k's lane e is lane k of one vector, and
-// the vectors are added in order of e. Bit for bit Dot's result, at a fraction
-// of its horizontal adds. Keys of float32 or bfloat16 (widened as loaded).
-// Not always_inline: the generic AttendRows template calls it, and it inlines
-// once that is compiled for AVX-512 (RunOn).
-template <typename Cache>
-inline void ScoresOfKeys(Avx512Floats, const float* q, const Cache* key,
-                         const int64_t* slots, int64_t stride, int64_t head_dim,
-                         float scale, float* out) {
-  __m512 lanes[16];
-  for (int k = 0; k < 16; ++k) lanes[k] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < head_dim; d += 16) {
-    const __m512 qv = _mm512_loadu_ps(q + d);
-    for (int k = 0; k < 16; ++k) {
-      lanes[k] = _mm512_fmadd_ps(
-          qv, Avx512Floats::Load(key + slots[k] * stride + d), lanes[k]);
-    }
-  }
-  Transpose16(lanes);
-  __m512 total = _mm512_setzero_ps();
-  for (int e = 0; e < 16; ++e) total = _mm512_add_ps(total, lanes[e]);
-  _mm512_storeu_ps(out, _mm512_mul_ps(total, _mm512_set1_ps(scale)));
-}
-
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-
-// The same for 8 keys on AVX2, where Dot's 16 lanes are two vectors: lanes
-// 0-7 of the 8 keys, then lanes 8-15 (8 sums and q in registers at a time, of
-// AVX2's 16), each half transposed, and the 16 vectors added in order of the
-// lane. Bit for bit Dot's result.
-template <typename Cache>
-inline void ScoresOfKeys(Avx2Floats, const float* q, const Cache* key,
-                         const int64_t* slots, int64_t stride, int64_t head_dim,
-                         float scale, float* out) {
-  __m256 lanes[2][8];
-  for (int half = 0; half < 2; ++half) {
-    __m256* sums = lanes[half];
-    for (int k = 0; k < 8; ++k) sums[k] = _mm256_setzero_ps();
-    for (int64_t d = 8 * half; d < head_dim; d += 16) {
-      const __m256 qv = _mm256_loadu_ps(q + d);
-      for (int k = 0; k < 8; ++k) {
-        sums[k] = _mm256_fmadd_ps(
-            qv, Avx2Floats::Load(key + slots[k] * stride + d), sums[k]);
+// out[k] = Dot(q, key row of slots[k], head_dim) * scale for Floats::kLanes
+// keys (8 on AVX2, 16 on AVX-512), head_dim a multiple of 16, with Dot's own
+// sums (16 lanes of multiply-adds in order of the dims, then the lanes in
+// order) computed for the keys side by side. Dot's 16 lanes are 16 / kLanes
+// vectors: each part's sums for the keys (kLanes sums and q in registers),
+// transposed so that key k's lane e is lane k of one vector; the vectors are
+// then added in order of the lane. Bit for bit Dot's result, at a fraction of
+// its horizontal adds. Keys of float32 or bfloat16 (widened as loaded).
+template <typename Floats, typename Cache>
+PADDLE_STEP_LOOP_INLINE void ScoresOfKeys(const float* q, const Cache* key,
+                                          const int64_t* slots, int64_t stride,
+                                          int64_t head_dim, float scale,
+                                          float* out) {
+  constexpr int kKeys = Floats::kLanes;
+  constexpr int kParts = 16 / kKeys;
+  typename Floats::Vec lanes[kParts][kKeys];
+  for (int part = 0; part < kParts; ++part) {
+    typename Floats::Vec* sums = lanes[part];
+    for (int k = 0; k < kKeys; ++k) sums[k] = Floats::Zero();
+    for (int64_t d = kKeys * part; d < head_dim; d += 16) {
+      const typename Floats::Vec qv = Floats::Load(q + d);
+      for (int k = 0; k < kKeys; ++k) {
+        sums[k] = Floats::MulAdd(qv, Floats::Load(key + slots[k] * stride + d),
+                                 sums[k]);
       }
     }
-    Transpose8(sums);
+    Floats::Transpose(sums);
   }
-  __m256 total = _mm256_setzero_ps();
-  for (int half = 0; half < 2; ++half) {
-    for (int e = 0; e < 8; ++e) total = _mm256_add_ps(total, lanes[half][e]);
+  typename Floats::Vec total = Floats::Zero();
+  for (int part = 0; part < kParts; ++part) {
+    for (int e = 0; e < kKeys; ++e) total = Floats::Add(total, lanes[part][e]);
   }
-  _mm256_storeu_ps(out, _mm256_mul_ps(total, _mm256_set1_ps(scale)));
+  Floats::Store(out, Floats::Mul(total, Floats::Broadcast(scale)));
 }
-
-#pragma GCC pop_options
-
-// How many keys ScoresOfKeys takes at once on Floats' vectors (0: none,
-// each key's Dot alone).
-template <typename Floats>
-constexpr int64_t kKeysAtOnce = std::is_same_v<Floats, Avx512Floats> ? 16
-                                : std::is_same_v<Floats, Avx2Floats> ? 8
-                                                                     : 0;
-#endif
 
 // o[d] = sum over j of weights[j] * v_j[d] for the dims d in [first,
 // head_dim), one by one (float64, and a float32 head's last dims).
@@ -324,12 +282,12 @@ PADDLE_STEP_LOOP_INLINE void AttendRows(
   const int64_t row_bytes =
       heads / group * head_dim * static_cast<int64_t>(sizeof(Cache));
   int64_t j = 0;
-#ifdef PADDLE_STEP_ATTENTION_X86
-  // Keys are grouped only where head_dim is a multiple of 16: Dot's result is
-  // then its 16 lanes alone. Its last dims one by one are a loop the compiler
-  // vectorizes its own way wherever it is inlined: no copy matches its bits.
-  if constexpr (kKeysAtOnce<Floats> > 0) {
-    constexpr int64_t kKeys = kKeysAtOnce<Floats>;
+  // Vector sets score Floats::kLanes keys at once (ScoresOfKeys), only where
+  // head_dim is a multiple of 16: Dot's result is then its 16 lanes alone. Its
+  // last dims one by one are a loop the compiler vectorizes its own way
+  // wherever it is inlined: no copy matches its bits.
+  if constexpr (Floats::kLanes >= 8) {
+    constexpr int64_t kKeys = Floats::kLanes;
     const int64_t grouped = head_dim % 16 == 0 ? count : 0;
     const int64_t rows_per_head = (kKeys + heads - 1) / heads;
     for (; j + kKeys <= grouped; j += kKeys) {
@@ -340,13 +298,12 @@ PADDLE_STEP_LOOP_INLINE void AttendRows(
         for (int64_t next = j + kKeys + h * rows_per_head; next < end; ++next) {
           PrefetchRow(key + slots[next] * stride, row_bytes);
         }
-        ScoresOfKeys(Floats{}, q + h * head_dim, key + h / group * head_dim,
-                     slots + j, stride, head_dim, scale,
-                     scores + h * count + j);
+        ScoresOfKeys<Floats>(q + h * head_dim, key + h / group * head_dim,
+                             slots + j, stride, head_dim, scale,
+                             scores + h * count + j);
       }
     }
   }
-#endif
   for (; j < count; ++j) {
     if (j + kRowsAhead < count) {
       PrefetchRow(key + slots[j + kRowsAhead] * stride, row_bytes);
