@@ -261,12 +261,12 @@ def _server(app, loop: EngineLoop, args: argparse.Namespace):
             # CancelledError traceback each in the log). Here the second ends them at once
             # with their error, and the shutdown finishes as a graceful one; a third still
             # forces it. The signal handler only schedules: end_all takes locks.
-            if self.should_exit and sig == signal.SIGINT and not self.ended_early:
-                if self.event_loop is not None:
-                    self.ended_early = True
-                    message = "the server was stopped (Ctrl-C twice) before the request finished"
-                    self.event_loop.call_soon_threadsafe(loop.end_all, message)
-                    return
+            second = self.should_exit and sig == signal.SIGINT
+            if second and not self.ended_early and self.event_loop is not None:
+                self.ended_early = True
+                message = "the server was stopped (Ctrl-C twice) before the request finished"
+                self.event_loop.call_soon_threadsafe(loop.end_all, message)
+                return
             super().handle_exit(sig, frame)
 
         async def startup(self, sockets=None) -> None:
