@@ -246,12 +246,14 @@ PYBIND11_MODULE(paddle_step_ops, module) {
       .def(
           "__call__",
           [](const paddle_step::DecoderStack& stack, const paddle::Tensor& x,
-             const pybind11::tuple& step, int64_t layers) {
-            return paddle_step::CpuDecoderLayers(x, stack,
-                                                 DecoderStackStepOf(step),
-                                                 layers);
+             const pybind11::tuple& step, int64_t layers,
+             const pybind11::object& output_rows) {
+            return paddle_step::CpuDecoderLayers(
+                x, stack, DecoderStackStepOf(step), layers,
+                OptionalTensor(output_rows));
           },
-          pybind11::arg("x"), pybind11::arg("step"), pybind11::arg("layers"));
+          pybind11::arg("x"), pybind11::arg("step"), pybind11::arg("layers"),
+          pybind11::arg("output_rows") = pybind11::none());
   module.def("cpu_rms_norm", &paddle_step::CpuRmsNorm, pybind11::arg("x"),
              pybind11::arg("weight"), pybind11::arg("eps"));
   module.def("cpu_token_logprobs", &paddle_step::CpuTokenLogprobs,

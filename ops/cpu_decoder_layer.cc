@@ -90,6 +90,22 @@ paddle::Tensor Columns(const paddle::Tensor& qkv, int64_t first, int64_t count,
   return out;
 }
 
+// Rows `rows` (int64 [R], checked) of a tensor [T, ...], as [R, ...].
+paddle::Tensor Rows(const paddle::Tensor& tensor, const paddle::Tensor& rows) {
+  std::vector<int64_t> shape = tensor.shape();
+  const int64_t width = shape[0] ? tensor.numel() / shape[0] : 0;
+  shape[0] = rows.numel();
+  auto out =
+      paddle::empty(shape, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const float* in = tensor.data<float>();
+  const int64_t* index = rows.data<int64_t>();
+  for (int64_t r = 0; r < shape[0]; ++r) {
+    std::copy(in + index[r] * width, in + (index[r] + 1) * width,
+              out.data<float>() + r * width);
+  }
+  return out;
+}
+
 }  // namespace
 
 paddle::Tensor CpuRmsNorm(const paddle::Tensor& x, const paddle::Tensor& weight,
@@ -172,28 +188,39 @@ paddle::Tensor CpuDecoderLayer(const paddle::Tensor& x,
              Columns(qkv, heads + kv_heads, kv_heads, head_dim));
   auto attention =
       CpuDecodeAttention(q, step.cache, 1.0 / std::sqrt(head_dim));
+  // The rest is row by row: on the rows asked for alone, where some are.
+  paddle::Tensor input = x;
+  int64_t rows = tokens;
+  if (step.output_rows) {
+    attention = Rows(attention, *step.output_rows);
+    input = Rows(x, *step.output_rows);
+    rows = step.output_rows->numel();
+    normed = paddle::empty({rows, hidden}, paddle::DataType::FLOAT32,
+                           paddle::CPUPlace());
+  }
 
   auto residual = Product(attention, weights.o);  // x + o(attention)
-  AddRows(residual.data<float>(), x.data<float>(), tokens, hidden);
-  RmsNormRows(residual.data<float>(), weights.mlp_norm.data<float>(), tokens,
+  AddRows(residual.data<float>(), input.data<float>(), rows, hidden);
+  RmsNormRows(residual.data<float>(), weights.mlp_norm.data<float>(), rows,
               hidden, epsilon, normed.data<float>());
   auto gate_up = Product(normed, weights.gate_up);
   const int64_t intermediate = weights.gate_up.n / 2;
   auto activation = paddle::empty(
-      {tokens, intermediate}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  ForRowRanges(tokens, intermediate, [&](int64_t first, int64_t last) {
+      {rows, intermediate}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  ForRowRanges(rows, intermediate, [&](int64_t first, int64_t last) {
     cpu::SiluTimesUp(isa, gate_up.data<float>() + first * 2 * intermediate,
                      last - first, intermediate,
                      activation.data<float>() + first * intermediate);
   });
   auto out = Product(activation, weights.down);
-  AddRows(out.data<float>(), residual.data<float>(), tokens, hidden);
+  AddRows(out.data<float>(), residual.data<float>(), rows, hidden);
   return out;
 }
 
-paddle::Tensor CpuDecoderLayers(const paddle::Tensor& x,
-                                const DecoderStack& stack,
-                                const DecoderStackStep& step, int64_t layers) {
+paddle::Tensor CpuDecoderLayers(
+    const paddle::Tensor& x, const DecoderStack& stack,
+    const DecoderStackStep& step, int64_t layers,
+    const paddle::optional<paddle::Tensor>& output_rows) {
   constexpr InputChecker kStackCheck("cpu_decoder_layers");
   const int64_t available = static_cast<int64_t>(stack.layers.size());
   if (layers < 0 || layers > available) {
@@ -235,14 +262,31 @@ paddle::Tensor CpuDecoderLayers(const paddle::Tensor& x,
               step.sin_table.data<float>() + from + head_dim,
               sin.data<float>() + t * head_dim);
   }
-  DecoderLayerStep layer_step{cos, sin, step.slots, cache};
+  if (output_rows) {
+    kStackCheck.Dtype("output_rows", ViewOf(*output_rows),
+                      {paddle::DataType::INT64});
+    kStackCheck.Shape("output_rows", ViewOf(*output_rows), {-1});
+    kStackCheck.DenseCpu("output_rows", *output_rows);
+    const int64_t* rows = output_rows->data<int64_t>();
+    for (int64_t r = 0; r < output_rows->numel(); ++r) {
+      if (rows[r] < 0 || rows[r] >= tokens) {
+        kStackCheck.Fail("output_rows",
+                         "tokens in [0, " + std::to_string(tokens) + ")",
+                         std::to_string(rows[r]) + " at " + std::to_string(r));
+      }
+    }
+  }
+  DecoderLayerStep layer_step{cos, sin, step.slots, cache, paddle::none};
   paddle::Tensor hidden = x;
   for (int64_t i = 0; i < layers; ++i) {
     layer_step.cache.layer = cache.layer + i;
+    if (i == layers - 1) layer_step.output_rows = output_rows;
     hidden = CpuDecoderLayer(hidden, stack.layers[i], stack.shape, layer_step);
   }
+  if (layers > 0) return hidden;
   // No layer run: a copy, so that the result never aliases x.
-  return layers == 0 ? x.copy_to(paddle::CPUPlace(), true) : hidden;
+  return output_rows ? Rows(x, *output_rows)
+                     : x.copy_to(paddle::CPUPlace(), true);
 }
 
 }  // namespace paddle_step

@@ -40,19 +40,23 @@ struct DecoderLayerShape {
 
 // A step's tokens as a layer sees them: rotary tables cos, sin ([T, head_dim],
 // rotate-half layout), the cache slot each token's K/V goes to (slots [T]
-// int64, -1: none), and where the tokens read their keys (`cache`).
+// int64, -1: none), and where the tokens read their keys (`cache`). With
+// output_rows (int64 [R], tokens in [0, T)), the layer returns those tokens'
+// rows alone, in that order: every token's K/V is written and attended as
+// without, then the output product and the MLP run on those R rows only.
 struct DecoderLayerStep {
   paddle::Tensor cos;
   paddle::Tensor sin;
   paddle::Tensor slots;
   PagedKvView cache;
+  paddle::optional<paddle::Tensor> output_rows;
 };
 
 // x float32 [T, hidden] (a step's tokens) through RMSNorm, the fused q/k/v
 // product, rotary embedding, the K/V write at the step's slots, attention
 // (CpuDecodeAttention: a token at position p sees the cache's keys 0..p, its
 // own step's included), the output product and its residual, RMSNorm, SwiGLU
-// and its residual: float32 [T, hidden].
+// and its residual: float32 [T, hidden] (or [R, hidden]: step.output_rows).
 paddle::Tensor CpuDecoderLayer(const paddle::Tensor& x,
                                const DecoderLayerWeights& weights,
                                const DecoderLayerShape& shape,
@@ -83,9 +87,14 @@ struct DecoderStackStep {
 // x float32 [T, hidden] through the first `layers` layers of `stack`
 // (0 <= layers <= stack.layers.size()), each as CpuDecoderLayer: the same
 // result as that many CpuDecoderLayer calls, in one crossing from Python.
-paddle::Tensor CpuDecoderLayers(const paddle::Tensor& x,
-                                const DecoderStack& stack,
-                                const DecoderStackStep& step, int64_t layers);
+// With output_rows (int64 [R], tokens in [0, T)), the last layer returns those
+// tokens' rows alone ([R, hidden]; DecoderLayerStep): the rows a step's logits
+// read, so that the others skip that layer's output product and MLP (as
+// llama.cpp's output ids do). Their bits are those of the full result's rows.
+paddle::Tensor CpuDecoderLayers(
+    const paddle::Tensor& x, const DecoderStack& stack,
+    const DecoderStackStep& step, int64_t layers,
+    const paddle::optional<paddle::Tensor>& output_rows = paddle::none);
 
 // RMSNorm of x float32 [T, width] times weight float32 [width], as a layer
 // normalizes (the same float32 operations in the same order): for the final

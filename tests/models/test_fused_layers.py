@@ -41,9 +41,9 @@ def count_fused_calls(monkeypatch) -> list[int]:
     calls = []
     fused_layers = LlamaForCausalLM._fused_layers
 
-    def counted(model, x, step, layers):
+    def counted(model, x, step, layers, output_rows=None):
         calls.append(layers)
-        return fused_layers(model, x, step, layers)
+        return fused_layers(model, x, step, layers, output_rows)
 
     monkeypatch.setattr(LlamaForCausalLM, "_fused_layers", counted)
     return calls
@@ -366,3 +366,65 @@ def test_a_stack_runs_the_layers_asked_for_and_names_a_bad_count_or_position():
         stack(x, (cos[:9], sin[:9], step.slots, view), layers)  # rows for positions 0..8
     assert ("cpu_decoder_layers: argument 'positions': expected positions in [0, 9) (the "
             "rotary tables' rows), got 9 at token 0") in str(error.value)  # fmt: skip
+
+
+def test_a_stack_returns_the_rows_asked_for_with_their_bits_and_names_a_bad_row():
+    """``output_rows``: the last layer finishes those tokens alone, in the order asked, with
+    the bits of the whole result's rows (its products over 3 rows, not 5, take other
+    tiles), and every token's K/V written as without; a row out of range is named."""
+    model = LlamaForCausalLM(CONFIGS["biases-odd"])
+    layers = model.config.num_layers
+    x, step = decode_step(model, tokens=5)
+    whole = model._fused_layers(x, step, layers).numpy()
+    caches = (step.kv_cache.key.numpy(), step.kv_cache.value.numpy())
+    rows = [3, 0, 4]
+    x, step = decode_step(model, tokens=5)
+    part = model._fused_layers(x, step, layers, paddle.to_tensor(rows, dtype="int64"))
+    np.testing.assert_array_equal(part.numpy().view(np.uint32), whole[rows].view(np.uint32))
+    for cache, expected in zip((step.kv_cache.key, step.kv_cache.value), caches):
+        np.testing.assert_array_equal(cache.numpy().view(np.uint32), expected.view(np.uint32))
+    untouched = model._fused_layers(x, step, 0, paddle.to_tensor([4], dtype="int64"))
+    np.testing.assert_array_equal(untouched.numpy(), x.numpy()[[4]])
+    for bad, message in (
+        ([5], "expected tokens in [0, 5), got 5 at 0"),
+        ([1, -1], "expected tokens in [0, 5), got -1 at 1"),
+    ):
+        with pytest.raises(ValueError) as error:
+            model._fused_layers(x, step, layers, paddle.to_tensor(bad, dtype="int64"))
+        assert f"cpu_decoder_layers: argument 'output_rows': {message}" in str(error.value)
+    with pytest.raises(ValueError) as error:
+        model._fused_layers(x, step, layers, paddle.to_tensor([0], dtype="int32"))
+    assert "cpu_decoder_layers: argument 'output_rows'" in str(error.value)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_steps_finish_only_the_rows_their_logits_read(fused, monkeypatch):
+    """A step's last layer finishes only the tokens whose logits it computes (each prompt's
+    last): the logits and caches of ``fused_steps`` are those of every token finished, bit
+    for bit where the layers fuse (the op's rows do not depend on their batch)."""
+    model = LlamaForCausalLM(CONFIGS["llama-gqa"])
+    finished = []
+    run_layers = LlamaForCausalLM._run_layers
+
+    def counted(self, input_ids, positions, attend, fused=None, layers=None, output_rows=None):
+        rows = input_ids.shape[0] if output_rows is None else output_rows.shape[0]
+        finished.append((input_ids.shape[0], rows))
+        return run_layers(self, input_ids, positions, attend, fused, layers, output_rows)
+
+    monkeypatch.setattr(LlamaForCausalLM, "_run_layers", counted)
+    read = fused_steps(model, fused, monkeypatch)
+    # Tokens per step: 9 + 17 + 4, then 1 + 3 + 6, then 3 decode tokens (every one read).
+    assert finished == [(30, 3), (10, 3), (3, 3)]
+
+    class EveryRow(llama.RowsRead):
+        def __init__(self, tokens, last_token_index, extra_index=None):
+            self.output_rows = None
+            self.last_token_index, self.extra_index = last_token_index, extra_index
+
+    monkeypatch.setattr(llama, "RowsRead", EveryRow)
+    every = fused_steps(model, fused, monkeypatch)
+    for mine, expected in zip(read, every):
+        if fused:
+            np.testing.assert_array_equal(mine.view(np.uint32), expected.view(np.uint32))
+        else:
+            np.testing.assert_allclose(mine, expected, rtol=1e-5, atol=1e-6)

@@ -22,6 +22,7 @@ __all__ = [
     "KeptSlots",
     "PagedKVCache",
     "PrefillLayout",
+    "RowsRead",
     "DecodeInputs",
     "build_flat_batch",
     "slots_through_table",
@@ -41,6 +42,41 @@ class KeptSlots:
     def select(self, x: paddle.Tensor) -> paddle.Tensor:
         """The kept rows of ``x`` [N, ...]."""
         return x if self._index is None else paddle.gather(x, self._index)
+
+
+class RowsRead:
+    """The tokens of a step whose hidden states its logits read: those ``last_token_index``
+    [R] (-1: none) and ``extra_index`` [N] (prompt logprobs) name, in token order
+    (``output_rows``, int64; None where that is every token, as in a decode step), and both
+    indexes into those rows. The layers may then finish only those rows: a prompt's other
+    tokens need their keys and values, not their last layer's output."""
+
+    def __init__(
+        self,
+        tokens: int,
+        last_token_index: paddle.Tensor,
+        extra_index: paddle.Tensor | None = None,
+    ) -> None:
+        last = last_token_index.numpy().tolist()
+        extra = [] if extra_index is None else extra_index.numpy().tolist()
+        read = sorted({index for index in last if index >= 0} | set(extra))
+        if len(read) == tokens:
+            self.output_rows = None
+            self.last_token_index, self.extra_index = last_token_index, extra_index
+            return
+        # A step that reads no row (prompt chunks that sample nothing) still finishes
+        # one, so that the logits of its rows (zeros) have a row to come from.
+        read = read or [0]
+        row_of = {token: row for row, token in enumerate(read)}
+        self.output_rows = paddle.to_tensor(read, dtype="int64")
+        self.last_token_index = paddle.to_tensor(
+            [row_of.get(index, -1) for index in last], dtype="int64"
+        )
+        self.extra_index = (
+            None
+            if extra_index is None
+            else paddle.to_tensor([row_of[index] for index in extra], dtype="int64")
+        )
 
 
 def _dense(x: paddle.Tensor) -> paddle.Tensor:

@@ -44,6 +44,7 @@ from ..layers.paged_attention import (
     KeptSlots,
     PagedKVCache,
     PrefillLayout,
+    RowsRead,
     slots_through_table,
 )
 
@@ -226,18 +227,27 @@ class DecoderLayer(nn.Layer):
         return self._dense
 
     def forward(
-        self, x: paddle.Tensor, rope: tuple[paddle.Tensor, paddle.Tensor], attend: AttendFn
+        self,
+        x: paddle.Tensor,
+        rope: tuple[paddle.Tensor, paddle.Tensor],
+        attend: AttendFn,
+        output_rows: paddle.Tensor | None = None,
     ) -> paddle.Tensor:
         """``x`` [T, hidden]; ``rope`` = (cos, sin) [T, 1, head_dim] for each token's
-        position."""
+        position. With ``output_rows`` (int64 [R] token indices), only those tokens' rows
+        [R, hidden]: every token's q/k/v and attention as without, the output product and
+        the MLP on those rows alone."""
         w_qkv, qkv_bias, w_o, w_gate_up, w_down = self._dense_weights()
         cos, sin = rope
         q, k, v = self.blocks.attention_inputs(
             x, self.attn_norm.weight, w_qkv, cos, sin, *_present(qkv_bias)
         )
+        attention = attend(q, k, v)
+        if output_rows is not None:
+            x, attention = paddle.gather(x, output_rows), paddle.gather(attention, output_rows)
         return self.blocks.output_and_mlp(
             x,
-            attend(q, k, v),
+            attention,
             w_o,
             self.mlp_norm.weight,
             w_gate_up,
@@ -419,22 +429,35 @@ class LlamaForCausalLM(nn.Layer):
         attend_for_layer: Callable[[int], AttendFn] | None,
         fused: FusedStep | None = None,
         layers: int | None = None,
+        output_rows: paddle.Tensor | None = None,
     ) -> paddle.Tensor:
         """Hidden states [T, hidden] of the tokens ``input_ids`` [T] after the first
         ``layers`` layers (None: all), before the final norm (``_logits`` applies it, to the
-        rows it needs). With ``fused``, the layers run as ``_fused_layers``."""
+        rows it needs); with ``output_rows`` (int64 [R]), those tokens' rows [R, hidden]
+        alone, the last layer's output product and MLP run on them only. With ``fused``,
+        the layers run as ``_fused_layers``."""
         if self._embedding is None:
             x = paddle.gather(self.embed, input_ids)
         else:
             x = cpu_linear.columns(self._embedding.packed, input_ids)
+        count = len(self.layers) if layers is None else layers
         if fused is not None:
-            return self._fused_layers(x, fused, len(self.layers) if layers is None else layers)
+            return self._fused_layers(x, fused, count, output_rows)
+        if count == 0:
+            return x if output_rows is None else paddle.gather(x, output_rows)
         rope = self._rope(positions)
-        for index, layer in enumerate(itertools.islice(self.layers, layers)):
-            x = layer(x, rope, attend_for_layer(index))
+        for index, layer in enumerate(itertools.islice(self.layers, count)):
+            rows = output_rows if index == count - 1 else None
+            x = layer(x, rope, attend_for_layer(index), rows)
         return x
 
-    def _fused_layers(self, x: paddle.Tensor, step: FusedStep, layers: int) -> paddle.Tensor:
+    def _fused_layers(
+        self,
+        x: paddle.Tensor,
+        step: FusedStep,
+        layers: int,
+        output_rows: paddle.Tensor | None = None,
+    ) -> paddle.Tensor:
         """``x`` [T, hidden] through the first ``layers`` layers in one call of our CPU op
         (``paddle_step_ops.DecoderStack``, built once per path): each layer writes the
         step's K/V into its layer of ``step.kv_cache`` and then attends through each token's
@@ -450,7 +473,8 @@ class LlamaForCausalLM(nn.Layer):
             )
             self._decoder_stacks[step.isa] = stack
         cache = step.kv_cache.view(0, step.block_tables, step.rows, step.positions)
-        return stack(x, (*self._rope_table(step.positions, flat=True), step.slots, cache), layers)
+        rope = self._rope_table(step.positions, flat=True)
+        return stack(x, (*rope, step.slots, cache), layers, output_rows)
 
     def _attention(
         self, q: paddle.Tensor, keys: paddle.Tensor, values: paddle.Tensor, mask: paddle.Tensor
@@ -626,22 +650,28 @@ class LlamaForCausalLM(nn.Layer):
             and self.fusion.fuse_layers(tokens)
         )
 
+        # The last layer's output product and MLP run only on the rows the logits read
+        # (llama.cpp's output ids): a prompt's last token, not the rest of it.
+        read = RowsRead(tokens, last_token_index, extra_index)
+
         def fused(layers: int | None = None) -> paddle.Tensor:
             step = FusedStep(kv_cache, slot_mapping, block_tables, token_rows, positions,
                              self.fusion.op_path(tokens))  # fmt: skip
-            return self._run_layers(input_ids, positions, None, step, layers)
+            rows = read.output_rows if layers is None else None
+            return self._run_layers(input_ids, positions, None, step, layers, rows)
 
         def blocks(layers: int | None = None) -> paddle.Tensor:
             return self._hidden_through_blocks(
                 layout(), input_ids, positions, slot_mapping, token_rows, block_tables,
                 max_context_len, kv_cache, layers,
+                read.output_rows if layers is None else None,
             )  # fmt: skip
 
         if fuse is None:
             hidden = self.fusion.choose(tokens, blocks, fused)
         else:
             hidden = fused() if fuse else blocks()
-        return self._logits_of(hidden, last_token_index, extra_index)
+        return self._logits_of(hidden, read.last_token_index, read.extra_index)
 
     def _hidden_through_blocks(
         self,
@@ -654,11 +684,12 @@ class LlamaForCausalLM(nn.Layer):
         max_context_len: int,
         kv_cache: PagedKVCache,
         layers: int | None = None,
+        output_rows: paddle.Tensor | None = None,
     ) -> paddle.Tensor:
         """``forward_paged``'s hidden states through the dense blocks and a per-layer
         attention: over the step's own K/V for prompts from position 0, over keys read
         back from the cache for prompt chunks and decode tokens; after the first
-        ``layers`` layers (None: all)."""
+        ``layers`` layers (None: all), of the tokens ``output_rows`` names (None: all)."""
         kept_slots = KeptSlots(slot_mapping)
         cfg = self.config
         groups = cfg.num_heads // cfg.num_kv_heads
@@ -740,7 +771,9 @@ class LlamaForCausalLM(nn.Layer):
 
             return attend
 
-        return self._run_layers(input_ids, positions, paged_attention_for, layers=layers)
+        return self._run_layers(
+            input_ids, positions, paged_attention_for, layers=layers, output_rows=output_rows
+        )
 
     def _logits_of(
         self,
