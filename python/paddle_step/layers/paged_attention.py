@@ -57,25 +57,27 @@ class RowsRead:
         last_token_index: paddle.Tensor,
         extra_index: paddle.Tensor | None = None,
     ) -> None:
-        last = last_token_index.numpy().tolist()
-        extra = [] if extra_index is None else extra_index.numpy().tolist()
-        read = sorted({index for index in last if index >= 0} | set(extra))
-        if len(read) == tokens:
-            self.output_rows = None
-            self.last_token_index, self.extra_index = last_token_index, extra_index
+        self.output_rows = None
+        self.last_token_index, self.extra_index = last_token_index, extra_index
+        last = last_token_index.numpy()
+        if extra_index is None and last.size == tokens and last.tolist() == list(range(tokens)):
+            return  # a decode step (the usual one: tested first, in plain Python)
+        extra = None if extra_index is None else extra_index.numpy()
+        read = last[last >= 0] if extra is None else np.concatenate([last[last >= 0], extra])
+        if np.any(read[1:] <= read[:-1]):  # rows' last tokens alone come in token order
+            read = np.unique(read)
+        if read.size == tokens:
             return
         # A step that reads no row (prompt chunks that sample nothing) still finishes
         # one, so that the logits of its rows (zeros) have a row to come from.
-        read = read or [0]
-        row_of = {token: row for row, token in enumerate(read)}
-        self.output_rows = paddle.to_tensor(read, dtype="int64")
-        self.last_token_index = paddle.to_tensor(
-            [row_of.get(index, -1) for index in last], dtype="int64"
-        )
+        read = read if read.size else np.zeros(1, np.int64)
+        self.output_rows = paddle.to_tensor(read.astype(np.int64))
+        rows = np.searchsorted(read, last).astype(np.int64)
+        self.last_token_index = paddle.to_tensor(np.where(last >= 0, rows, -1))
         self.extra_index = (
             None
-            if extra_index is None
-            else paddle.to_tensor([row_of[index] for index in extra], dtype="int64")
+            if extra is None
+            else paddle.to_tensor(np.searchsorted(read, extra).astype(np.int64))
         )
 
 
