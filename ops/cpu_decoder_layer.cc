@@ -266,6 +266,10 @@ paddle::Tensor CpuDecoderLayers(
     kStackCheck.Dtype("output_rows", ViewOf(*output_rows),
                       {paddle::DataType::INT64});
     kStackCheck.Shape("output_rows", ViewOf(*output_rows), {-1});
+    if (output_rows->numel() == 0) {
+      kStackCheck.Fail("output_rows", "at least one token (None: every token)",
+                       "none");
+    }
     kStackCheck.DenseCpu("output_rows", *output_rows);
     const int64_t* rows = output_rows->data<int64_t>();
     for (int64_t r = 0; r < output_rows->numel(); ++r) {

@@ -388,6 +388,7 @@ def test_a_stack_returns_the_rows_asked_for_with_their_bits_and_names_a_bad_row(
     for bad, message in (
         ([5], "expected tokens in [0, 5), got 5 at 0"),
         ([1, -1], "expected tokens in [0, 5), got -1 at 1"),
+        ([], "expected at least one token (None: every token), got none"),
     ):
         with pytest.raises(ValueError) as error:
             model._fused_layers(x, step, layers, paddle.to_tensor(bad, dtype="int64"))

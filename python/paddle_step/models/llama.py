@@ -631,7 +631,8 @@ class LlamaForCausalLM(nn.Layer):
         logits [R, vocab] of the tokens ``last_token_index`` names; -1 gets zeros (the LM
         head runs on every index given: pass only the rows that sample). With
         ``extra_index`` ([N] int64 flat token indices), also the logits [N, vocab] of those
-        tokens (prompt logprobs), as a pair.
+        tokens (prompt logprobs), as a pair. The last layer finishes only the tokens the
+        two name (``RowsRead``): the others' K/V is all a later step reads of them.
         """
         tokens = positions.shape[0]
 
