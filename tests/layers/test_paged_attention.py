@@ -146,7 +146,7 @@ def _ints(tensor: paddle.Tensor | None) -> list[int] | None:
 def test_rows_read_are_the_sampled_and_prompt_logprob_tokens_in_token_order() -> None:
     read = RowsRead(7, paddle.to_tensor([6, -1, 2]), paddle.to_tensor([0, 2, 1]))
     assert _ints(read.output_rows) == [0, 1, 2, 6]
-    assert _ints(read.last_token_index) == [3, -1, 2]  # rows of output_rows; -1 stays
+    assert _ints(read.last_token_index) == read.last_rows == [3, -1, 2]  # -1 stays
     assert _ints(read.extra_index) == [0, 2, 1]
     assert _ints(RowsRead(3, paddle.to_tensor([2, 0])).extra_index) is None
 
@@ -155,5 +155,6 @@ def test_rows_read_by_every_token_or_by_none() -> None:
     last = paddle.to_tensor([0, 1, -1, 2])
     every = RowsRead(3, last)  # a decode step: nothing to select
     assert every.output_rows is None and every.last_token_index is last
+    assert every.last_rows == [0, 1, -1, 2]
     none = RowsRead(5, paddle.to_tensor([-1, -1]))  # prompt chunks that sample nothing
     assert _ints(none.output_rows) == [0] and _ints(none.last_token_index) == [-1, -1]

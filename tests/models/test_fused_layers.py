@@ -421,6 +421,7 @@ def test_steps_finish_only_the_rows_their_logits_read(fused, monkeypatch):
         def __init__(self, tokens, last_token_index, extra_index=None):
             self.output_rows = None
             self.last_token_index, self.extra_index = last_token_index, extra_index
+            self.last_rows = last_token_index.numpy().tolist()
 
     monkeypatch.setattr(llama, "RowsRead", EveryRow)
     every = fused_steps(model, fused, monkeypatch)

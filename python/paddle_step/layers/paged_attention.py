@@ -48,8 +48,9 @@ class RowsRead:
     """The tokens of a step whose hidden states its logits read: those ``last_token_index``
     [R] (-1: none) and ``extra_index`` [N] (prompt logprobs) name, in token order
     (``output_rows``, int64; None where that is every token, as in a decode step), and both
-    indexes into those rows. The layers may then finish only those rows: a prompt's other
-    tokens need their keys and values, not their last layer's output."""
+    indexes into those rows (``last_rows``: ``last_token_index`` as a Python list, read
+    once). The layers may then finish only those rows: a prompt's other tokens need their
+    keys and values, not their last layer's output."""
 
     def __init__(
         self,
@@ -60,7 +61,8 @@ class RowsRead:
         self.output_rows = None
         self.last_token_index, self.extra_index = last_token_index, extra_index
         last = last_token_index.numpy()
-        if extra_index is None and last.size == tokens and last.tolist() == list(range(tokens)):
+        self.last_rows = last.tolist()
+        if extra_index is None and self.last_rows == list(range(tokens)):
             return  # a decode step (the usual one: tested first, in plain Python)
         extra = None if extra_index is None else extra_index.numpy()
         read = last[last >= 0] if extra is None else np.concatenate([last[last >= 0], extra])
@@ -72,8 +74,9 @@ class RowsRead:
         # one, so that the logits of its rows (zeros) have a row to come from.
         read = read if read.size else np.zeros(1, np.int64)
         self.output_rows = paddle.to_tensor(read.astype(np.int64))
-        rows = np.searchsorted(read, last).astype(np.int64)
-        self.last_token_index = paddle.to_tensor(np.where(last >= 0, rows, -1))
+        rows = np.where(last >= 0, np.searchsorted(read, last), -1).astype(np.int64)
+        self.last_rows = rows.tolist()
+        self.last_token_index = paddle.to_tensor(rows)
         self.extra_index = (
             None
             if extra is None

@@ -672,7 +672,7 @@ class LlamaForCausalLM(nn.Layer):
             hidden = self.fusion.choose(tokens, blocks, fused)
         else:
             hidden = fused() if fuse else blocks()
-        return self._logits_of(hidden, read.last_token_index, read.extra_index)
+        return self._logits_of(hidden, read)
 
     def _hidden_through_blocks(
         self,
@@ -777,26 +777,23 @@ class LlamaForCausalLM(nn.Layer):
         )
 
     def _logits_of(
-        self,
-        hidden: paddle.Tensor,
-        last_token_index: paddle.Tensor,
-        extra_index: paddle.Tensor | None,
+        self, hidden: paddle.Tensor, read: RowsRead
     ) -> paddle.Tensor | tuple[paddle.Tensor, paddle.Tensor]:
-        """``forward_paged``'s result from the hidden states of its tokens."""
-        # The index is read on the host and tested in plain Python: after the layers'
+        """``forward_paged``'s result from the hidden states of the tokens ``read`` names."""
+        # The index is tested in plain Python, as read before the layers: after their
         # weights have streamed through the caches, a Paddle compare, any and sync, or even
         # a NumPy one, runs cold. A decode step at full batch wants every token's logits,
         # in order.
-        index = last_token_index.numpy().tolist()
+        index = read.last_rows
         if index == list(range(hidden.shape[0])):
             last_hidden = hidden
         else:
-            last_hidden = paddle.gather(hidden, paddle.clip(last_token_index, min=0))
+            last_hidden = paddle.gather(hidden, paddle.clip(read.last_token_index, min=0))
         logits = self._logits(last_hidden)
         # [R, vocab] of zeros and a select only when asked for.
         if min(index, default=0) < 0:
-            no_token = (last_token_index < 0).unsqueeze(1)
+            no_token = (read.last_token_index < 0).unsqueeze(1)
             logits = paddle.where(no_token, paddle.zeros_like(logits), logits)
-        if extra_index is None:
+        if read.extra_index is None:
             return logits
-        return logits, self._logits(paddle.gather(hidden, extra_index))
+        return logits, self._logits(paddle.gather(hidden, read.extra_index))
